@@ -1,0 +1,1 @@
+"""Everything Ray: replica actors, router actor, Serve request router, client."""

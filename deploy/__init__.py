@@ -1,0 +1,1 @@
+"""HTTP API, Serve app builder and the CLI."""

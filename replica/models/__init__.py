@@ -1,0 +1,1 @@
+"""Model implementations written against the paged KV cache."""

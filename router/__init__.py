@@ -1,0 +1,1 @@
+"""Global block-hash directory and routing policies (pure Python, no torch)."""
