@@ -1,0 +1,61 @@
+"""Paged attention for a mixed batch (prefill chunks with cached context + decodes):
+the pure-torch reference every other implementation must match."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvroute.kernels.attention_metadata import AttentionMetadata
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's K
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's V
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its whole prefix.
+
+    The step's K/V must already be stored in the cache. ``key``/``value`` are an
+    optional shortcut: a sequence with no cached context reads them directly instead
+    of gathering from the cache (same values, less copying).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+    assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
+    block_size = key_cache.shape[1]
+    out = torch.empty_like(query)
+    qsl = meta.query_start_loc_cpu
+    for s in range(meta.num_seqs):
+        q0, q1 = qsl[s], qsl[s + 1]
+        q_len, ctx, seq_len = q1 - q0, meta.context_lens_cpu[s], meta.seq_lens_cpu[s]
+        assert seq_len == ctx + q_len
+        if ctx == 0 and key is not None and value is not None:
+            k, v = key[q0:q1], value[q0:q1]  # [seq_len, num_kv_heads, head_dim]
+        else:
+            nb = -(-seq_len // block_size)
+            blocks = meta.block_tables[s, :nb].long()
+            k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        q = query[q0:q1].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        k = k.transpose(0, 1).to(query.dtype)  # [num_kv_heads, seq_len, head_dim]
+        v = v.transpose(0, 1).to(query.dtype)
+        if q_len == 1:
+            mask = None  # a single new token sees the whole prefix
+            causal = False
+        elif ctx == 0:
+            mask, causal = None, True
+        else:
+            pos_q = torch.arange(ctx, seq_len, device=query.device)[:, None]
+            pos_k = torch.arange(seq_len, device=query.device)[None, :]
+            mask, causal = pos_k <= pos_q, False  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )  # [num_heads, q_len, head_dim]
+        out[q0:q1] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,117 @@
+"""asyncio front of the engine: ``generate`` streams TokenDeltas while the step loop
+runs in a worker thread, so the event loop is never blocked by a forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import AsyncIterator, Sequence
+
+from kvroute.replica.config import EngineConfig
+from kvroute.replica.engine import Engine
+from kvroute.replica.outputs import RequestId, TokenDelta
+from kvroute.replica.request import Request
+from kvroute.replica.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    """Owns an Engine; all engine mutations happen on the event loop between steps.
+
+    ``generate`` validates synchronously (bad input raises ValueError before anything is
+    queued); a caller that stops iterating (cancelled, disconnected) aborts its request,
+    which frees its blocks at the next step boundary.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[RequestId, asyncio.Queue[TokenDelta | BaseException]] = {}
+        self._to_add: list[Request] = []
+        self._to_abort: list[RequestId] = []
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.last_events = None  # the latest KVEvents, for whoever publishes them
+        self._event_listeners: list = []
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(Engine(config))
+
+    def add_event_listener(self, fn) -> None:
+        """``fn(KVEvents)`` is called on the event loop after every step."""
+        self._event_listeners.append(fn)
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = self.engine.make_request(rid, token_ids, params, cache_salt)
+        queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._to_add.append(req)
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._to_abort.append(rid)
+                self._ensure_loop()
+
+    async def abort(self, request_id: str) -> None:
+        self._to_abort.append(RequestId(request_id))
+        self._ensure_loop()
+
+    def _ensure_loop(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._to_add = self._to_add, []
+        for req in adds:
+            if req.request_id in self._queues:  # its caller may already have gone
+                self.engine.add(req)
+        aborts, self._to_abort = self._to_abort, []
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    if self._to_add or self._to_abort:
+                        continue
+                    await self._wake.wait()
+                    continue
+                out = await asyncio.to_thread(self.engine.step)
+                for delta in out.deltas:
+                    q = self._queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+                self.last_events = out.kv_events
+                for fn in self._event_listeners:
+                    fn(out.kv_events)
+        except BaseException as exc:  # a crashed step must not leave callers hanging
+            for q in self._queues.values():
+                q.put_nowait(RuntimeError(f"engine step failed: {exc!r}") if not isinstance(exc, asyncio.CancelledError) else exc)
+            raise

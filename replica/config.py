@@ -1,0 +1,54 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine.
+
+    ``num_kv_blocks=None`` sizes the KV cache from ``kv_cache_memory_gb``. ``hash_seed``
+    must be the cluster-wide seed so the router's hashes match the replica's.
+    ``dtype='auto'`` is bfloat16 on CUDA and float32 on CPU.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    page_aligned: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    hash_seed: int = 0
+    replica_id: str = "replica-0"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")

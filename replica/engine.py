@@ -1,0 +1,287 @@
+"""The replica engine: requests in, token deltas and KV events out. No Ray, no asyncio."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvroute.replica.block_hash import BlockHash, HashSpec
+from kvroute.replica.config import EngineConfig
+from kvroute.replica.detokenizer import IncrementalDetokenizer
+from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
+from kvroute.replica.request import Request
+from kvroute.replica.sampler import Sampler, SampleRequest
+from kvroute.replica.sampling_params import SamplingParams
+from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+_EMA = 0.2  # weight of the newest step in the rate estimates
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    deltas: list[TokenDelta]
+    kv_events: KVEvents
+    num_scheduled_tokens: int = 0
+    num_rows: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    max_batch_size: int
+    block_ref_counts: list[int] = field(repr=False, default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over a paged, prefix-cached KV cache.
+
+    Not thread-safe: one caller drives ``add_request`` / ``step`` / ``abort``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch  # noqa: F401  (keeps `import kvroute.replica.engine` honest about torch)
+
+        from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
+        from kvroute.replica.models.arch import ModelArch
+        from kvroute.replica.weights import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
+
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path))
+        self.tokenizer = load_tokenizer(self.model_path)
+        eos = set(self.arch.eos_token_ids) | set(load_generation_eos(self.model_path))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.arch.max_position_embeddings}"
+            )
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
+        )
+        self.hash_spec = HashSpec(bs, config.hash_seed, self.model_id)
+        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned
+            ),
+            self.kv,
+        )
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[RequestId, Request] = {}
+        self._seq = 0
+        self._prefill_rate = 0.0
+        self._decode_step_s = 0.0
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model
+
+    # ------------------------------------------------------------------ requests
+    def make_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate a request without touching engine state (safe from another thread)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        rid = RequestId(str(request_id))
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:5]}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context length max_model_len={self.max_model_len}"
+            )
+        bs = self.config.block_size
+        if -(-total // bs) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs {-(-total // bs)} KV blocks but the cache "
+                f"has only num_kv_blocks={self.kv.num_blocks} of {bs} tokens"
+            )
+        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        req = Request(rid, ids, params, self.hash_spec, cache_salt, self.eos_token_ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        return req
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by :meth:`make_request`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        req = self.make_request(request_id, token_ids, params, cache_salt)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already done."""
+        req = self.requests.pop(RequestId(str(request_id)), None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> StepOutput:
+        sched = self.scheduler.schedule()
+        deltas: list[TokenDelta] = []
+        if not sched.empty:
+            t0 = time.perf_counter()
+            logits = self.runner.execute(sched)
+            self.scheduler.update_after_step(sched)
+            sampling_rows = [r for r in sched.rows if r.samples]
+            if sampling_rows:
+                sampled = self.sampler(
+                    logits,
+                    [
+                        SampleRequest(r.request.params, r.request.prompt_token_ids, r.request.output_token_ids, r.request.eos_token_ids)
+                        for r in sampling_rows
+                    ],
+                )
+                for row, tok, lp in zip(sampling_rows, sampled.token_ids, sampled.logprobs):
+                    deltas.append(self._append(row.request, tok, lp))
+            self._update_rates(sched, time.perf_counter() - t0)
+        return StepOutput(deltas, self._events(), sched.num_tokens, len(sched.rows))
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> TokenDelta:
+        p = req.params
+        req.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if logprob is not None:
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(logprob)
+        n_out = req.num_output_tokens
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        text = ""
+        if n_out >= p.min_tokens and not p.ignore_eos and token in req.eos_token_ids:
+            reason = "stop"
+        elif n_out >= p.min_tokens and token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        else:
+            text, stop_str = req.detokenizer.add_tokens([token])
+            if stop_str is not None and n_out >= p.min_tokens:
+                reason, stop_reason = "stop", stop_str
+            elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if not isinstance(stop_reason, str):
+                text += req.detokenizer.flush()  # release held-back text: no stop string ended it
+            self.scheduler.finish(req, reason)
+            req.stop_reason = stop_reason
+            del self.requests[req.request_id]
+        return TokenDelta(
+            req.request_id,
+            [token],
+            text,
+            None if logprob is None else [logprob],
+            reason,
+            req.num_prompt_tokens,
+            max(req.num_cached_tokens, 0),
+            stop_reason,
+        )
+
+    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
+        prefill = sched.num_prefill_tokens
+        if prefill:
+            rate = sched.num_tokens / max(seconds, 1e-9)
+            self._prefill_rate = rate if not self._prefill_rate else (1 - _EMA) * self._prefill_rate + _EMA * rate
+        else:
+            d = self._decode_step_s
+            self._decode_step_s = seconds if not d else (1 - _EMA) * d + _EMA * seconds
+
+    def _events(self) -> KVEvents:
+        stored, removed, cleared = self.kv.take_events()
+        self._seq += 1
+        return KVEvents(self.config.replica_id, self._seq, stored, removed, cleared, self.load())
+
+    # ------------------------------------------------------------------ introspection
+    def load(self) -> LoadFigures:
+        s = self.scheduler
+        return LoadFigures(
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            kv_usage=self.kv.usage,
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_step_s=self._decode_step_s,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_step_s=self._decode_step_s,
+            max_batch_size=s.max_batch_size,
+            block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks],
+        )
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.kv.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,132 @@
+"""Per-request block tables on top of the block pool: prefix hits and slot allocation."""
+
+from __future__ import annotations
+
+from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.block_pool import Block, BlockPool
+from kvroute.replica.outputs import RequestId
+from kvroute.replica.request import Request
+
+
+class KVCacheManager:
+    """Decides which physical blocks back each request's tokens.
+
+    Blocks are allocated only for the tokens about to be computed, and a block is
+    registered in the prefix cache as soon as the step that fills it is scheduled
+    (its KV is written before any later request in the same or a later step reads it).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[RequestId, list[Block]] = {}
+        # How many leading blocks of each request are already registered in the cache.
+        self._num_cached_blocks: dict[RequestId, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: RequestId) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest run of cached blocks from the start of ``request``.
+
+        The last token is always left to compute (its logits are needed), so a prompt
+        that is entirely cached hits every block but the one holding its last token.
+        Verified against stored token ids; does not take references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.update_block_hashes()
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[Block] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.pool.lookup(hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, new_computed: list[Block] = ()
+    ) -> int:
+        """Free-queue blocks that allocate_slots would consume (hits on free blocks included)."""
+        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed)
+        total = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+        required = -(-total // self.block_size)
+        revived = sum(1 for b in new_computed if b.ref_cnt == 0)
+        return max(required - have, 0) + revived
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed: list[Block] = ()
+    ) -> list[Block] | None:
+        """Back ``num_new_tokens`` more tokens of ``request`` (after its cache hits).
+
+        ``new_computed`` are prefix hits from :meth:`get_computed_blocks` for a request
+        being admitted; they are referenced, not recomputed. Returns the newly taken
+        blocks, or None (with nothing changed) if the pool is short.
+        """
+        if self.num_blocks_needed(request, num_new_tokens, new_computed) > self.pool.num_free_blocks:
+            return None
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        if new_computed:
+            assert not blocks and request.num_computed_tokens == 0
+            self.pool.touch(new_computed)
+            blocks.extend(new_computed)
+            self._num_cached_blocks[rid] = len(new_computed)
+        total = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(blocks)
+        new_blocks: list[Block] = []
+        if need > 0:
+            taken = self.pool.take_new_blocks(need)
+            assert taken is not None
+            new_blocks = taken
+            blocks.extend(new_blocks)
+        self._cache_full_blocks(request, total)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_computed_after_step: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
+        end = min(num_computed_after_step, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        hashes = request.update_block_hashes()
+        blocks = self.req_blocks[rid]
+        bs = self.block_size
+        for i in range(start, end):
+            if blocks[i].block_hash is None:
+                self.pool.cache_block(blocks[i], hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+        self._num_cached_blocks[rid] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so the chain's end is evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.pool.cached_block_hashes()
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

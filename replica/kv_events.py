@@ -1,0 +1,44 @@
+"""KV events: what a replica tells the router after each step (stdlib only).
+
+The router may import this module as well as ``block_hash`` (both are torch-free): it is
+the wire contract between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvroute.replica.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    """A replica's load as of the end of a step."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """Net cache changes of one step. ``seq`` grows by one per published batch.
+
+    ``stored`` and ``removed`` are disjoint: a hash stored and evicted within the same
+    batch (or the reverse) cancels out, so applying ``cleared`` first, then ``removed``,
+    then ``stored`` in any order reproduces the replica's cache exactly.
+    """
+
+    replica_id: str
+    seq: int
+    stored: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+    cleared: bool = False
+    load: LoadFigures | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stored or self.removed or self.cleared)

@@ -1,0 +1,116 @@
+"""Turns a scheduler step into one forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvroute.kernels.attention_metadata import AttentionMetadata
+from kvroute.replica.models.arch import ModelArch
+from kvroute.replica.models.decoder import DecoderForCausalLM
+from kvroute.replica.models.rope import RotaryEmbedding
+from kvroute.replica.scheduler import SchedulerOutput
+from kvroute.replica.weights import load_weights_into
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _TORCH_DTYPES[name]
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache tensor
+    ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        model_path: Path,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.arch, self.device, self.dtype = arch, device, dtype
+        self.block_size = block_size
+        with torch.device("meta"):
+            model = DecoderForCausalLM(arch)
+        model = model.to_empty(device=device).to(dtype)
+        load_weights_into(model, model_path, dtype)
+        if arch.tie_word_embeddings:
+            model.tie_weights()
+        # Non-persistent buffers do not survive to_empty(): rebuild the rope tables.
+        model.rope = RotaryEmbedding(
+            arch.head_dim, max_model_len, arch.rope_theta, arch.rope_scaling
+        ).to(device)
+        self.model = model.eval()
+        self.kv_cache = torch.zeros(
+            (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[num_sampling_rows, vocab]`` for the rows
+        whose chunk reaches their last known token, in row order."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        logit_rows: list[int] = []
+        max_blocks = max(len(r.block_ids) for r in step.rows)
+        tables = torch.zeros((len(step.rows), max_blocks), dtype=torch.int32)  # [num_seqs, max_blocks]
+        for i, row in enumerate(step.rows):
+            start, end = row.num_computed, row.num_computed + row.num_new
+            input_ids.extend(row.request.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = row.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            qsl.append(qsl[-1] + row.num_new)
+            seq_lens.append(end)
+            ctx_lens.append(start)
+            if row.samples:
+                logit_rows.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            context_lens_cpu=ctx_lens,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache,
+            meta,
+        )  # [T, hidden]
+        if not logit_rows:
+            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=dev)
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])

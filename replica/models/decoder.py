@@ -1,0 +1,122 @@
+"""One decoder-only transformer for Llama, Mistral (no sliding window), Qwen2 and Qwen3,
+written against the paged KV cache. Parameter names follow Hugging Face's, so
+checkpoints load by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvroute.kernels import ops
+from kvroute.kernels.attention_metadata import AttentionMetadata
+from kvroute.replica.models.arch import ModelArch
+from kvroute.replica.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        h = arch.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        ops.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=arch.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """``forward`` returns final hidden states; ``compute_logits`` projects the rows
+    that need sampling (so a prefill chunk never pays for a full-vocab matmul per token)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderBody(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope, kv_cache[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        return self.lm_head(hidden).float()
