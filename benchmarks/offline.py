@@ -1,0 +1,133 @@
+"""Offline throughput: our engine against transformers' batched generate, same prompts,
+same run; plus our prefill GFLOP/s against the practical matmul peak.
+
+    python -m kvroute.benchmarks.offline [--num-requests 64] [--output-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kvroute.benchmarks.common import matmul_peak_gflops, write_result
+from kvroute.replica.llm import LLM
+from kvroute.replica.sampling_params import SamplingParams
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def model_flops(llm: LLM, prompt_lens: list[int]) -> float:
+    """Forward FLOPs of prefilling these prompts: 2 x non-embedding weights per token,
+    plus causal attention (QK^T and PV: 2 x 2 x heads x head_dim per query-key pair)."""
+    arch = llm.engine.arch
+    weights = sum(
+        p.numel() for n, p in llm.engine.runner.model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
+    )
+    pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
+    attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * pairs
+    # lm_head runs on one row per prompt only.
+    head = 2 * arch.hidden_size * arch.vocab_size * len(prompt_lens)
+    return 2 * weights * sum(prompt_lens) + attn + head
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.token_ids) for o in outs)
+
+
+def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch_size: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    produced = 0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i : i + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            produced += (out.shape[1] - width) * len(batch)
+    return time.perf_counter() - t, produced
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--min-input", type=int, default=100)
+    ap.add_argument("--max-input", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    llm = LLM(args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=4.0)
+    prompts = random_prompts(args.num_requests, args.min_input, args.max_input, llm.engine.arch.vocab_size, args.seed)
+    lens = [len(p) for p in prompts]
+
+    # Prefill efficiency: prompts alone (1 output token), prefix caching off so every
+    # token is computed.
+    peak = matmul_peak_gflops()
+    llm_nocache = LLM(
+        args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False, kv_cache_memory_gb=4.0,
+    )
+    run_ours(llm_nocache, prompts[:4], 1)  # warm up
+    pre_s = min(run_ours(llm_nocache, prompts, 1)[0] for _ in range(2))
+    prefill_gflops = model_flops(llm_nocache, lens) / pre_s / 1e9
+    del llm_nocache
+
+    run_ours(llm, prompts[:4], 4)  # warm up
+    llm.engine.reset_prefix_cache()
+    ours_s, ours_tokens = run_ours(llm, prompts, args.output_len)
+    ours_tps = ours_tokens / ours_s
+
+    result = {
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "input_len": {"min": min(lens), "max": max(lens), "mean": statistics.mean(lens)},
+        "output_len": args.output_len,
+        "ours": {"seconds": ours_s, "output_tokens": ours_tokens, "output_tokens_per_s": ours_tps},
+        "prefill": {
+            "seconds": pre_s,
+            "tokens": sum(lens),
+            "tokens_per_s": sum(lens) / pre_s,
+            "gflops": prefill_gflops,
+            "matmul_peak_gflops": peak,
+            "fraction_of_peak": prefill_gflops / peak,
+        },
+    }
+    summary = f"ours {ours_tps:.1f} tok/s; prefill {prefill_gflops:.1f} GFLOP/s = {prefill_gflops / peak:.0%} of matmul peak {peak:.1f}"
+    if not args.skip_transformers:
+        hf_s, hf_tokens = run_transformers(str(llm.model_path), prompts, args.output_len, args.hf_batch_size)
+        hf_tps = hf_tokens / hf_s
+        result["transformers"] = {"seconds": hf_s, "output_tokens": hf_tokens, "output_tokens_per_s": hf_tps, "batch_size": args.hf_batch_size}
+        result["speedup_vs_transformers"] = ours_tps / hf_tps
+        summary += f"; transformers {hf_tps:.1f} tok/s; ratio {ours_tps / hf_tps:.2f}x"
+    write_result("offline", result, summary, args.out)
+
+
+if __name__ == "__main__":
+    main()

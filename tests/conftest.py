@@ -1,0 +1,147 @@
+"""Shared test fixtures: the embedded SmolLM2 checkpoint and tiny random checkpoints.
+
+Kept free of module-level torch/transformers imports: some tests check that importing
+``kvroute.router`` leaves torch out of ``sys.modules``, and a conftest import would
+defeat them. Heavy imports happen inside the fixtures.
+
+Tiny checkpoints (``tiny_llama_path``, ``tiny_qwen2_path``, ``tiny_qwen3_path``) are
+saved with transformers' ``save_pretrained`` (fp32 safetensors, deterministic seeds)
+together with the SmolLM2 tokenizer, so the real loading path is exercised. Their shared
+shape: vocab 49152 (the tokenizer's), hidden 64, 2 layers, 4 attention heads, 2 KV heads
+(GQA), head_dim 16, intermediate 128, max_position_embeddings 2048. Differences:
+
+- llama: untied lm_head, Llama 3.1 ``llama3`` RoPE scaling (theta 5e5, factor 8,
+  original context 1024, so with head_dim 16 some frequencies are scaled, one is
+  smoothed and the rest are kept).
+- qwen2: tied embeddings, q/k/v bias, theta 1e6.
+- qwen3: tied embeddings, q/k RMS norms, theta 1e6.
+
+``initializer_range`` is 0.2 (not transformers' 0.02): at 0.02 the tied models' greedy
+outputs collapse into one repeated token, which would make token-exact comparisons with
+transformers meaningless; at 0.2 32 greedy tokens are varied for all three.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_INITIALIZER_RANGE = 0.2
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=2048,
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return  # don't import torch for runs that need no GPU
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The converted embedded SmolLM2-135M-Instruct folder (converted once per cache, ~15 s)."""
+    from kvroute.replica.weights import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path) -> Any:
+    """SmolLM2's fast tokenizer (vocab 49152; bos <|im_start|>=1, eos <|im_end|>=2)."""
+    from kvroute.replica.weights import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+def _save_tiny(folder: Path, model_type: str, tokenizer: Any, seed: int, **overrides: Any) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=TINY_INITIALIZER_RANGE,
+        dtype="float32",
+        **TINY_SHAPE,
+        **overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    """Tiny random Llama: untied lm_head, Llama 3.1 ("llama3") RoPE scaling."""
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=1024,
+    )
+    return _save_tiny(
+        tmp_path_factory.mktemp("tiny-llama"),
+        "llama",
+        smollm2_tokenizer,
+        seed=0,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    """Tiny random Qwen2: tied embeddings, q/k/v bias."""
+    return _save_tiny(
+        tmp_path_factory.mktemp("tiny-qwen2"),
+        "qwen2",
+        smollm2_tokenizer,
+        seed=1,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    """Tiny random Qwen3: tied embeddings, q/k norms."""
+    return _save_tiny(
+        tmp_path_factory.mktemp("tiny-qwen3"),
+        "qwen3",
+        smollm2_tokenizer,
+        seed=2,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=True,
+    )
