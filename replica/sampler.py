@@ -9,7 +9,7 @@ Processing order, per row (what a vLLM user expects):
    ``frequency_penalty * count`` and ``presence_penalty * (count > 0)`` (OpenAI semantics,
    over output tokens) are subtracted.
 3. ``temperature == 0``: argmax (ties go to the lowest token id). Otherwise the logits are
-   divided by the temperature, then ``top_k`` keeps exactly the k most likely tokens (ties
+   divided by the temperature (at least 1e-5, so logits stay finite), then ``top_k`` keeps exactly the k most likely tokens (ties
    broken towards the lowest id), ``top_p`` keeps the smallest most-likely-first set whose
    cumulative probability reaches ``top_p`` (at least one token), ``min_p`` drops tokens
    whose probability is below ``min_p`` times the largest, and one token is drawn.
@@ -36,6 +36,7 @@ from kvroute.replica.outputs import TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -75,6 +76,10 @@ def _needs_min_tokens(row: SampleRequest) -> bool:
 
 def _needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _needs_filters(p: SamplingParams) -> bool:
+    return p.temperature != 1.0 or p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
 
 
 def _pairs(rows: list[int], seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +158,8 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     out = logits
     device = logits.device
     vocab = logits.shape[1]
-    temps = [p.temperature for p in params]
+    # A positive temperature below _MIN_TEMPERATURE would overflow logits / T to inf.
+    temps = [max(p.temperature, _MIN_TEMPERATURE) for p in params]
     if any(t != 1.0 for t in temps):
         out = out / torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
 
@@ -166,7 +172,8 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         idx = torch.tensor(topk_rows, device=device)
         sub = out if len(topk_rows) == len(params) else out[idx]  # [n_topk, vocab]
         ks = torch.tensor([params[i].top_k for i in topk_rows], device=device).unsqueeze(1)  # [n_topk, 1]
-        top_vals = sub.topk(int(ks.max()), dim=1).values  # [n_topk, max_k], largest first
+        kmax = max(params[i].top_k for i in topk_rows)
+        top_vals = sub.topk(kmax, dim=1).values  # [n_topk, kmax], largest first
         kth = top_vals.gather(1, ks - 1)  # [n_topk, 1]
         keep = sub >= kth
         over = (keep.sum(dim=1) > ks.squeeze(1)).nonzero().flatten().tolist()
@@ -187,24 +194,20 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         idx = torch.tensor(sort_rows, device=device)
         sub = out[idx]  # [n_sort, vocab]
         # Stable descending sort: equal logits keep ascending id order, so top_k ties go to
-        # the lowest ids and top_k=1 is exactly greedy.
+        # the lowest ids here too.
         vals, order = torch.sort(sub, dim=1, descending=True, stable=True)
         pos = torch.arange(vocab, device=device).unsqueeze(0)  # [1, vocab]
         ks = torch.tensor(
             [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in sort_rows], device=device
         ).unsqueeze(1)  # [n_sort, 1]
         vals = vals.masked_fill(pos >= ks, float("-inf"))
-        top_ps = [params[i].top_p for i in sort_rows]
-        if any(tp < 1.0 for tp in top_ps):
-            probs = torch.softmax(vals, dim=1)
-            before = probs.cumsum(dim=1) - probs  # mass strictly ahead of each token
-            # top_p == 1 must drop nothing, even where rounding pushes the cumsum past 1.
-            thresh = torch.tensor(
-                [tp if tp < 1.0 else float("inf") for tp in top_ps], device=device
-            ).unsqueeze(1)
-            drop = before >= thresh
-            drop[:, 0] = False  # always keep the most likely token
-            vals = vals.masked_fill(drop, float("-inf"))
+        # top_p on the distribution renormalized over the top_k survivors.
+        probs = torch.softmax(vals, dim=1)
+        before = probs.cumsum(dim=1) - probs  # mass strictly ahead of each token
+        top_p = torch.tensor([params[i].top_p for i in sort_rows], device=device).unsqueeze(1)
+        drop = before >= top_p
+        drop[:, 0] = False  # always keep the most likely token
+        vals = vals.masked_fill(drop, float("-inf"))
         out[idx] = torch.empty_like(vals).scatter_(1, order, vals)
 
     minp_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
@@ -235,10 +238,6 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch
             out = out.clone()  # apply_penalties returned the input itself
         out[idx] = filtered
     return out
-
-
-def _needs_filters(p: SamplingParams) -> bool:
-    return p.temperature != 1.0 or p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
 
 
 class Sampler:

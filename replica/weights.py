@@ -85,9 +85,7 @@ def resolve_model(model: str) -> Path:
         )
     problems = _checkpoint_problems(path)
     if problems:
-        raise ValueError(
-            f"model {model!r} is not a usable Hugging Face checkpoint folder: " + "; ".join(problems)
-        )
+        raise ValueError(f"model {model!r} is not a usable Hugging Face checkpoint folder: " + "; ".join(problems))
     return path.resolve()
 
 
@@ -166,6 +164,27 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_generation_eos(path: Path) -> frozenset[int]:
+    """The end-of-sequence token ids in the folder's generation_config.json.
+
+    Chat checkpoints often list the end-of-turn token there and not in config.json (Llama 3
+    lists several). Returns an empty set when the file is absent or names no eos; raises
+    ValueError when it cannot be parsed or the ids are not integers.
+    """
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return frozenset()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be parsed ({e})") from e
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, not {eos!r}")
+    return frozenset(ids)
+
+
 def _index_files(path: Path) -> list[str]:
     """The shard files named by model.safetensors.index.json, sorted and deduplicated."""
     index_file = Path(path) / "model.safetensors.index.json"
@@ -198,7 +217,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{path} holds no *.safetensors file")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
 
 
@@ -212,7 +231,7 @@ def load_weights_into(module: torch.nn.Module, path: Path, dtype: torch.dtype) -
     - a shape mismatch raises ValueError naming the tensor;
     - a checkpoint tensor the module lacks raises ValueError, unless it is a recomputed
       buffer (``rotary_emb.inv_freq``) or ``lm_head.weight`` of a tied-embedding model;
-    - a module parameter the checkpoint lacks raises ValueError listing them all, except
+    - a module parameter the checkpoint lacks raises ValueError listing them, except
       ``lm_head.weight`` when the config sets ``tie_word_embeddings`` (the caller ties it).
     """
     path = Path(path)
@@ -248,9 +267,7 @@ def load_weights_into(module: torch.nn.Module, path: Path, dtype: torch.dtype) -
             + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
         )
     unloaded = [
-        name
-        for name, param in params.items()
-        if id(param) not in loaded and not (tied and name == "lm_head.weight")
+        name for name, param in params.items() if id(param) not in loaded and not (tied and name == "lm_head.weight")
     ]
     if unloaded:
         raise ValueError(
@@ -292,8 +309,11 @@ def _ensure_converted(name: str) -> Path:
     if _is_converted(folder):
         return folder.resolve()
     gguf_path = _locate_gguf(name)
-    root.mkdir(parents=True, exist_ok=True)
-    if folder.exists():
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the model cache {root} ({e}); set KVROUTE_CACHE to a writable folder") from e
+    if folder.exists() and not _is_converted(folder):  # re-check: another process may just have finished
         # Incomplete or from an older converter: move it aside atomically, then delete.
         trash = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
         try:
@@ -302,7 +322,7 @@ def _ensure_converted(name: str) -> Path:
             pass  # another process moved it first
         shutil.rmtree(trash, ignore_errors=True)
     print(
-        f"kvroute: converting SmolLM2-135M-Instruct GGUF to safetensors in {folder} (one time)…",
+        f"kvroute: converting {gguf_path.name.split('.')[0]} GGUF to safetensors in {folder} (one time)…",
         file=sys.stderr,
         flush=True,
     )
@@ -426,4 +446,6 @@ def _convert_llama_gguf(gguf_path: Path, out: Path) -> None:
     for loading_flag in ("is_local", "local_files_only"):  # how we loaded it, not a property
         tokenizer_config.pop(loading_flag, None)
     tokenizer_config["model_max_length"] = config.max_position_embeddings  # GGUF leaves it "infinite"
-    tokenizer_config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tokenizer_config_file.write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )

@@ -33,15 +33,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TINY_INITIALIZER_RANGE = 0.2
-TINY_SHAPE: dict[str, Any] = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    max_position_embeddings=2048,
-)
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 2048,
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,14 +103,14 @@ def _save_tiny(folder: Path, model_type: str, tokenizer: Any, seed: int, **overr
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
     """Tiny random Llama: untied lm_head, Llama 3.1 ("llama3") RoPE scaling."""
-    rope = dict(
-        rope_type="llama3",
-        rope_theta=500000.0,
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=1024,
-    )
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
     return _save_tiny(
         tmp_path_factory.mktemp("tiny-llama"),
         "llama",
@@ -129,7 +129,7 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer:
         "qwen2",
         smollm2_tokenizer,
         seed=1,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
     )
 
@@ -142,6 +142,6 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer:
         "qwen3",
         smollm2_tokenizer,
         seed=2,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
     )

@@ -104,6 +104,12 @@ def test_filters_keep_exact_sets():
     assert kept(SamplingParams(top_k=3, min_p=0.5)) == [1, 3]
 
 
+def test_tiny_temperature_is_finite_and_near_greedy():
+    logits = torch.arange(50, dtype=torch.float32).flip(0).unsqueeze(0) * 0.1  # argmax 0
+    out = Sampler()(logits.expand(8, 50), [row(SamplingParams(temperature=1e-30, seed=i)) for i in range(8)])
+    assert out.token_ids == [0] * 8
+
+
 def test_filters_temperature_divides_logits():
     logits = rand_logits(2, seed=4)
     out = apply_filters(logits, [SamplingParams(temperature=0.5), SamplingParams(temperature=2.0)])
