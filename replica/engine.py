@@ -48,19 +48,6 @@ class EngineStats:
     block_ref_counts: list[int] = field(repr=False, default_factory=list)
 
 
-def _generation_eos(path) -> set[int]:
-    """EOS ids from generation_config.json, which chat models often extend."""
-    import json
-
-    f = path / "generation_config.json"
-    if not f.exists():
-        return set()
-    eos = json.loads(f.read_text()).get("eos_token_id")
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
 class Engine:
     """Continuous-batching engine over a paged, prefix-cached KV cache.
 
@@ -72,13 +59,13 @@ class Engine:
 
         from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
         from kvroute.replica.models.arch import ModelArch
-        from kvroute.replica.weights import load_hf_config, load_tokenizer, resolve_model
+        from kvroute.replica.weights import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
 
         self.config = config
         self.model_path = resolve_model(config.model)
         self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
-        eos = set(self.arch.eos_token_ids) | _generation_eos(self.model_path)
+        eos = set(self.arch.eos_token_ids) | set(load_generation_eos(self.model_path))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
