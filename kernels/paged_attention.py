@@ -31,7 +31,15 @@ def paged_attention_reference(
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
+    decodes = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] == 1]
+    if len(decodes) > 1:
+        _decode_batch(query, key_cache, value_cache, meta, scale, decodes, out)
+        decoded = set(decodes)
+    else:
+        decoded = set()
     for s in range(meta.num_seqs):
+        if s in decoded:
+            continue
         q0, q1 = qsl[s], qsl[s + 1]
         q_len, ctx, seq_len = q1 - q0, meta.context_lens_cpu[s], meta.seq_lens_cpu[s]
         assert seq_len == ctx + q_len
@@ -59,3 +67,41 @@ def paged_attention_reference(
         )  # [num_heads, q_len, head_dim]
         out[q0:q1] = o.transpose(0, 1)
     return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seqs: list[int],
+    out: torch.Tensor,
+) -> None:
+    """All single-token sequences at once: one gather, two batched matmuls.
+
+    GQA is done by grouping query heads per KV head instead of repeating K/V.
+    """
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    lens = [meta.seq_lens_cpu[s] for s in seqs]
+    nb = -(-max(lens) // block_size)
+    idx = torch.tensor(seqs, device=query.device)
+    rows = meta.query_start_loc[idx].long()  # [B] row of each sequence's token
+    blocks = meta.block_tables[idx, :nb].long()  # [B, nb]
+    b = len(seqs)
+    length = nb * block_size
+    k = key_cache[blocks].view(b, length, num_kv_heads, head_dim).to(query.dtype)
+    v = value_cache[blocks].view(b, length, num_kv_heads, head_dim).to(query.dtype)
+    q = query[rows].view(b, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    seq_lens = torch.tensor(lens, device=query.device)
+    pad = torch.arange(length, device=query.device)[None, None, :] >= seq_lens[:, None, None]  # [B, 1, L]
+    o = torch.empty_like(q)
+    # Per KV head, k[:, :, h] is a strided [B, L, D] batch BLAS reads in place: no copy.
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
+        scores.masked_fill_(pad, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        o[:, h] = torch.bmm(probs, v[:, :, h])  # [B, G, D]
+    out[rows] = o.reshape(b, num_heads, head_dim)
