@@ -29,6 +29,7 @@ class AsyncEngine:
         self._to_abort: list[RequestId] = []
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self.last_events = None  # the latest KVEvents, for whoever publishes them
         self._event_listeners: list = []
@@ -77,10 +78,15 @@ class AsyncEngine:
         self._ensure_loop()
 
     def _ensure_loop(self) -> None:
-        if self._wake is None:
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._loop is not loop:
+            # An asyncio.Event binds to the first loop that waits on it, so a new loop
+            # (a second asyncio.run over the same engine) needs its own Event and step task.
+            self._loop = loop
             self._wake = asyncio.Event()
+            self._loop_task = None
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop_task = loop.create_task(self._run())
         self._wake.set()
 
     def _apply_pending(self) -> None:
@@ -90,7 +96,13 @@ class AsyncEngine:
                 self.engine.add(req)
         aborts, self._to_abort = self._to_abort, []
         for rid in aborts:
-            self.engine.abort(rid)
+            req = self.engine.requests.get(rid)
+            if self.engine.abort(rid) and req is not None:
+                q = self._queues.get(rid)
+                if q is not None:  # aborted via abort(): end its stream instead of leaving it waiting
+                    q.put_nowait(
+                        TokenDelta(rid, [], "", None, "abort", req.num_prompt_tokens, max(req.num_cached_tokens, 0))
+                    )
 
     async def _run(self) -> None:
         assert self._wake is not None

@@ -1,0 +1,107 @@
+"""The ``kvroute`` command line: in-process on a tiny model, once as the installed script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvroute.deploy.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "kvroute"
+ENGINE_ARGS = ["--num-kv-blocks", "32", "--block-size", "8", "--dtype", "float32"]
+
+
+def _generate(model: Path, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model), "--prompt", "The quick brown fox", "--max-tokens", "8",
+            *ENGINE_ARGS, *extra]
+
+
+def test_generate_json_on_a_tiny_model(tiny_llama_path, capsys):
+    from kvroute.replica.llm import LLM
+    from kvroute.replica.sampling_params import SamplingParams
+
+    assert main(_generate(tiny_llama_path, "--json", "--logprobs", "2")) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert set(out) == {"text", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "logprobs",
+                        "model_path"}
+
+    llm = LLM(str(tiny_llama_path), num_kv_blocks=32, block_size=8, dtype="float32")
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    (want,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert out["token_ids"] == want.token_ids and len(want.token_ids) == 8
+    assert out["text"] == want.text == llm.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    assert out["finish_reason"] == "length"
+    assert out["num_prompt_tokens"] == len(prompt) and out["num_cached_tokens"] == 0
+    assert out["model_path"] == str(tiny_llama_path.resolve())
+    assert [lp["token_id"] for lp in out["logprobs"]] == want.token_ids
+    assert all(len(lp["top"]) == 2 for lp in out["logprobs"])
+    assert all(lp["logprob"] == max(lp["top"].values()) for lp in out["logprobs"])  # greedy
+    assert captured.err == ""
+
+    # Without --json: the text and a newline, nothing else.
+    assert main(_generate(tiny_llama_path)) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-tokens", "0"], r"kvroute: error: max_tokens must be an integer >= 1, got 0"),
+        (["--top-p", "0"], r"kvroute: error: top_p must be in (0, 1], got 0.0"),
+        (["--block-size", "3"], r"kvroute: error: block_size must be a power of two >= 1, got 3"),
+    ],
+)
+def test_bad_values_exit_2_with_the_field_on_stderr(args, message, tiny_llama_path, capsys):
+    assert main(_generate(tiny_llama_path) + args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == message
+
+
+def test_unparseable_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--max-tokens", "many"])
+    assert exc.value.code == 2
+    assert "argument --max-tokens: invalid int value: 'many'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--max-tokens", "4"])
+    assert exc.value.code == 2
+    assert "the following arguments are required: --prompt" in capsys.readouterr().err
+
+
+def test_missing_model_exits_2(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "is neither an embedded model name" in capsys.readouterr().err
+
+
+def test_installed_script_chats_with_the_embedded_model(smollm2_path, smollm2_tokenizer):
+    assert SCRIPT.is_file(), f"console script not installed at {SCRIPT}"
+    question = "What is the capital of France?"
+    # A small KV cache keeps start-up fast on CPU (the default sizes it to 1 GiB).
+    proc = subprocess.run(
+        [str(SCRIPT), "generate", "--chat", "--prompt", question, "--json", "--num-kv-blocks", "64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO.parent,  # not the repo: the installed package must be found on its own
+        env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    chat_ids = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )["input_ids"]
+    assert out["num_prompt_tokens"] == len(chat_ids)
+    assert out["num_cached_tokens"] == 0
+    assert out["finish_reason"] == "stop" and out["token_ids"][-1] == smollm2_tokenizer.eos_token_id
+    assert out["text"] == smollm2_tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    assert out["logprobs"] is None
+    assert out["model_path"] == str(smollm2_path)
