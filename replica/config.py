@@ -42,6 +42,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.enable_chunked_prefill and self.page_aligned and self.max_num_batched_tokens < self.block_size:
+            # A page-aligned chunk would always round down to 0 tokens: nothing could run.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= block_size={self.block_size} "
+                "with page-aligned chunked prefill (or set page_aligned=False)"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

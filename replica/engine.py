@@ -61,12 +61,6 @@ class Engine:
         from kvroute.replica.models.arch import ModelArch
         from kvroute.replica.weights import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
 
-        if config.enable_chunked_prefill and config.page_aligned and config.max_num_batched_tokens < config.block_size:
-            # A page-aligned chunk would always round down to 0 tokens: nothing could be scheduled.
-            raise ValueError(
-                f"max_num_batched_tokens={config.max_num_batched_tokens} must be >= block_size={config.block_size} "
-                "with page-aligned chunked prefill (or set page_aligned=False)"
-            )
         self.config = config
         self.model_path = resolve_model(config.model)
         self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path))
