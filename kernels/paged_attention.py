@@ -48,8 +48,8 @@ def paged_attention_reference(
         else:
             nb = -(-seq_len // block_size)
             blocks = meta.block_tables[s, :nb].long()
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            k = _gather_blocks(key_cache, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+            v = _gather_blocks(value_cache, blocks).flatten(0, 1)[:seq_len]
         q = query[q0:q1].transpose(0, 1)  # [num_heads, q_len, head_dim]
         k = k.transpose(0, 1).to(query.dtype)  # [num_kv_heads, seq_len, head_dim]
         v = v.transpose(0, 1).to(query.dtype)
@@ -92,8 +92,8 @@ def _decode_batch(
     blocks = meta.block_tables[idx, :nb].long()  # [B, nb]
     b = len(seqs)
     length = nb * block_size
-    k = key_cache[blocks].view(b, length, num_kv_heads, head_dim).to(query.dtype)
-    v = value_cache[blocks].view(b, length, num_kv_heads, head_dim).to(query.dtype)
+    k = _gather_blocks(key_cache, blocks).view(b, length, num_kv_heads, head_dim).to(query.dtype)
+    v = _gather_blocks(value_cache, blocks).view(b, length, num_kv_heads, head_dim).to(query.dtype)
     q = query[rows].view(b, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     seq_lens = torch.tensor(lens, device=query.device)
     pad = torch.arange(length, device=query.device)[None, None, :] >= seq_lens[:, None, None]  # [B, 1, L]
@@ -105,3 +105,11 @@ def _decode_batch(
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         o[:, h] = torch.bmm(probs, v[:, :, h])  # [B, G, D]
     out[rows] = o.reshape(b, num_heads, head_dim)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] as whole-page row copies: index_select on a 2-D view is several
+    times faster on CPU than advanced indexing of the 4-D cache."""
+    num_blocks = cache.shape[0]
+    rows = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape, *cache.shape[1:])

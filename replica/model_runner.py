@@ -9,6 +9,7 @@ import torch
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.models.arch import ModelArch
 from kvroute.replica.models.decoder import DecoderForCausalLM
+from kvroute.replica.host_memory import keep_freed_memory
 from kvroute.replica.models.rope import RotaryEmbedding
 from kvroute.replica.scheduler import SchedulerOutput
 from kvroute.replica.weights import load_weights_into
@@ -50,6 +51,8 @@ class ModelRunner:
         max_model_len: int,
     ) -> None:
         self.arch, self.device, self.dtype = arch, device, dtype
+        if device.type == "cpu":
+            keep_freed_memory()
         self.block_size = block_size
         with torch.device("meta"):
             model = DecoderForCausalLM(arch)
