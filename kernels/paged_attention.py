@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from kvroute.kernels.attention_metadata import AttentionMetadata
 
 
+_DECODE_GROUP = 16
+
+
 def paged_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -33,7 +36,10 @@ def paged_attention_reference(
     qsl = meta.query_start_loc_cpu
     decodes = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] == 1]
     if len(decodes) > 1:
-        _decode_batch(query, key_cache, value_cache, meta, scale, decodes, out)
+        # Batches of similar length, so padding to the longest wastes little.
+        decodes.sort(key=lambda s: meta.seq_lens_cpu[s])
+        for i in range(0, len(decodes), _DECODE_GROUP):
+            _decode_batch(query, key_cache, value_cache, meta, scale, decodes[i : i + _DECODE_GROUP], out)
         decoded = set(decodes)
     else:
         decoded = set()
