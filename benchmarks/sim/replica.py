@@ -1,0 +1,169 @@
+"""One simulated replica: the REAL KV cache manager and scheduler, no model.
+
+A step goes exactly like ``Engine.step``: ``schedule()`` (admission, cache hits,
+allocation, blocks registered in the prefix cache), then the model's time, here
+``cost_model.step_time(...)`` seconds of simulated time, then ``update_after_step``,
+one token appended per sampling row (the spec's planned answer token, or a
+deterministic id), ``finish`` at the output length, and the step's KV events from
+``kv.take_events()`` with the same load figures (and the same EMA rate estimates) the
+engine publishes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from kvroute.benchmarks.sim.cost_model import CostModel
+from kvroute.benchmarks.workloads import RequestSpec
+from kvroute.replica.block_hash import BlockHash, HashSpec
+from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.outputs import RequestId
+from kvroute.replica.request import Request
+from kvroute.replica.sampling_params import SamplingParams
+from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+_EMA = 0.2  # as in replica/engine.py
+_VOCAB = 32000
+
+
+@dataclass
+class SimRequest:
+    """A spec in flight, with what the metrics need."""
+
+    spec: RequestSpec
+    request: Request
+    arrival_s: float
+    replica_id: str
+    expected_cached_tokens: int
+    reason: str
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+
+def planned_token(spec: RequestSpec, i: int) -> int:
+    """Output token ``i`` of ``spec``: the planned answer, else a deterministic id."""
+    if spec.output_token_ids is not None and i < len(spec.output_token_ids):
+        return spec.output_token_ids[i]
+    return 100 + (zlib.crc32(spec.request_id.encode()) + i * 7919) % (_VOCAB - 100)
+
+
+class SimReplica:
+    def __init__(
+        self,
+        replica_id: str,
+        num_blocks: int,
+        hash_spec: HashSpec,
+        cost: CostModel,
+        sched_config: SchedulerConfig,
+    ) -> None:
+        self.replica_id = replica_id
+        self.hash_spec = hash_spec
+        self.cost = cost
+        self.kv = KVCacheManager(num_blocks, hash_spec.block_size, enable_caching=True)
+        self.scheduler = Scheduler(sched_config, self.kv)
+        self.requests: dict[RequestId, SimRequest] = {}
+        self.busy = False
+        self._current: SchedulerOutput | None = None
+        self._step_s = 0.0
+        self._seq = 0
+        self._prefill_rate = 0.0
+        self._decode_step_s = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, spec: RequestSpec, block_hashes: list[BlockHash], now: float) -> Request:
+        params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
+        req = Request(RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, arrival_time=now)
+        req.block_hashes = list(block_hashes)  # memoized: the router already hashed the prompt
+        return req
+
+    def add(self, sim_req: SimRequest) -> None:
+        self.requests[sim_req.request.request_id] = sim_req
+        self.scheduler.add(sim_req.request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def true_match(self, block_hashes: list[BlockHash]) -> int:
+        """Leading blocks of ``block_hashes`` in this replica's prefix cache right now
+        (what admission would hit; the oracle's view)."""
+        cached = self.kv.pool._cached  # the truth, read-only  # noqa: SLF001
+        n = 0
+        for h in block_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ stepping
+    def start_step(self) -> float | None:
+        """Schedule one step; returns its duration, or None when there is nothing to run."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return None
+        prefill = decode = ctx = 0
+        for row in sched.rows:
+            if row.num_computed < row.request.num_prompt_tokens:
+                prefill += row.num_new
+            else:
+                decode += 1
+                ctx += row.num_computed + row.num_new
+        self._step_s = self.cost.step_time(prefill, decode, ctx)
+        self._current = sched
+        self.busy = True
+        return self._step_s
+
+    def finish_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest], KVEvents]:
+        """End the running step at ``now``: returns (first tokens, finished, events)."""
+        sched = self._current
+        assert sched is not None and self.busy
+        self._current, self.busy = None, False
+        self.num_steps += 1
+        self.busy_s += self._step_s
+        self.scheduler.update_after_step(sched)
+        first: list[SimRequest] = []
+        done: list[SimRequest] = []
+        for row in sched.rows:
+            if not row.samples:
+                continue
+            req = row.request
+            sim = self.requests[req.request_id]
+            req.append_token(planned_token(sim.spec, req.num_output_tokens))
+            if sim.first_token_s is None:
+                sim.first_token_s = now
+                req.first_token_time = now
+                first.append(sim)
+            if req.num_output_tokens >= sim.spec.output_len:
+                self.scheduler.finish(req, "length")
+                sim.finish_s = now
+                del self.requests[req.request_id]
+                done.append(sim)
+        self._update_rates(sched, self._step_s)
+        stored, removed, cleared = self.kv.take_events()
+        self._seq += 1
+        return first, done, KVEvents(self.replica_id, self._seq, stored, removed, cleared, self.load())
+
+    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
+        if sched.num_prefill_tokens:
+            rate = sched.num_tokens / max(seconds, 1e-9)
+            self._prefill_rate = rate if not self._prefill_rate else (1 - _EMA) * self._prefill_rate + _EMA * rate
+        else:
+            d = self._decode_step_s
+            self._decode_step_s = seconds if not d else (1 - _EMA) * d + _EMA * seconds
+
+    def load(self) -> LoadFigures:
+        s = self.scheduler
+        return LoadFigures(
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            kv_usage=self.kv.usage,
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_step_s=self._decode_step_s,
+        )
+
+    def block_ref_counts(self) -> list[int]:
+        return [b.ref_cnt for b in self.kv.pool.blocks]

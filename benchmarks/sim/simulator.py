@@ -1,0 +1,246 @@
+"""Discrete-event simulation of N replicas behind the real Router.
+
+Events, in simulated time (a heap ordered by (time, insertion order), so a run is
+deterministic for a fixed workload and seed):
+
+- arrival: hash the prompt (the replicas' HashSpec), ``router.route``, queue the request
+  on the chosen replica, start a step there if it is idle;
+- step end: the replica finishes its step (tokens, finishes, KV events); its events
+  reach the router ``event_delay_s`` later (``apply``; a seq gap is answered with a
+  snapshot); a finished multi-turn request releases its next turn ``think_time_s``
+  later; the replica starts its next step if it has work;
+- events delivered: ``router.apply``.
+
+The router's clock is the simulation's clock, so its pending-entry TTL runs in
+simulated seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvroute.benchmarks.sim.cost_model import CostModel
+from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
+from kvroute.benchmarks.workloads import RequestSpec, Workload
+from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.replica.kv_events import KVEvents
+from kvroute.replica.scheduler import SchedulerConfig
+
+_ARRIVAL, _STEP_END, _EVENTS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_replicas: int = 8
+    kv_blocks: int = 26_800  # per replica
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    event_delay_s: float = 0.0
+    pending_ttl_s: float = 5.0
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.event_delay_s < 0:
+            raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Simulation:
+    def __init__(
+        self,
+        workload: Workload,
+        policy: str,
+        cost: CostModel,
+        config: SimConfig = SimConfig(),
+        router_factory: Callable[..., Any] | None = None,
+        **policy_kwargs: Any,
+    ) -> None:
+        if router_factory is None:
+            from kvroute.router.router import Router
+
+            router_factory = Router
+        self.workload = workload
+        self.policy = policy
+        self.cost = cost
+        self.config = config
+        self.now = 0.0
+        self.hash_spec = HashSpec(config.block_size, config.hash_seed, "sim")
+        sched = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
+        self.replicas = {
+            f"r{i}": SimReplica(f"r{i}", config.kv_blocks, self.hash_spec, cost, sched) for i in range(config.num_replicas)
+        }
+        if policy == "oracle":
+            policy_kwargs.setdefault("true_match", lambda rid, hashes: self.replicas[rid].true_match(list(hashes)))
+        self.router = router_factory(
+            policy, config.block_size, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now, **policy_kwargs
+        )
+        for rid in self.replicas:
+            self.router.add_replica(rid, config.kv_blocks)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._n = 0
+        self._dependents: dict[str, list[RequestSpec]] = {}
+        self.done: list[SimRequest] = []
+        self.num_snapshots = 0
+        self.reasons: dict[str, int] = {}
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, self._n, kind, payload))
+        self._n += 1
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        for spec in self.workload.requests:
+            if spec.after is None:
+                self._push(spec.arrival_s, _ARRIVAL, spec)
+            else:
+                self._dependents.setdefault(spec.after, []).append(spec)
+        while self._heap:
+            t, _, kind, payload = heapq.heappop(self._heap)
+            self.now = t
+            if kind == _ARRIVAL:
+                self._arrive(payload)
+            elif kind == _STEP_END:
+                self._step_end(payload)
+            else:
+                self._deliver(payload)
+        return self.metrics()
+
+    def _arrive(self, spec: RequestSpec) -> None:
+        hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids)
+        decision = self.router.route(hashes, spec.num_prompt_tokens)
+        rep = self.replicas[decision.replica_id]
+        req = rep.make_request(spec, hashes, self.now)
+        rep.add(SimRequest(spec, req, self.now, rep.replica_id, decision.expected_cached_tokens, decision.reason))
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        if not rep.busy:
+            self._start(rep)
+
+    def _start(self, rep: SimReplica) -> None:
+        dur = rep.start_step()
+        if dur is not None:
+            self._push(self.now + dur, _STEP_END, rep.replica_id)
+
+    def _step_end(self, replica_id: str) -> None:
+        rep = self.replicas[replica_id]
+        _, finished, events = rep.finish_step(self.now)
+        if self.config.event_delay_s > 0:
+            self._push(self.now + self.config.event_delay_s, _EVENTS, events)
+        else:
+            self._deliver(events)
+        for sim in finished:
+            self.done.append(sim)
+            for nxt in self._dependents.pop(sim.spec.request_id, ()):
+                self._push(self.now + nxt.think_time_s, _ARRIVAL, nxt)
+        if rep.has_work():
+            self._start(rep)
+
+    def _deliver(self, events: KVEvents) -> None:
+        if not self.router.apply(events):
+            rep = self.replicas[events.replica_id]
+            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), events.seq, events.load)
+            self.num_snapshots += 1
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, Any]:
+        done = self.done
+        n_req = len(self.workload.requests)
+        prompt = sum(s.spec.num_prompt_tokens for s in done)
+        cached = sum(max(s.request.num_cached_tokens, 0) for s in done)
+        out_tokens = sum(s.request.num_output_tokens for s in done)
+        ttft = [s.first_token_s - s.arrival_s for s in done if s.first_token_s is not None]
+        e2e = [s.finish_s - s.arrival_s for s in done if s.finish_s is not None]
+        start = min((s.arrival_s for s in done), default=0.0)
+        end = max((s.finish_s for s in done if s.finish_s is not None), default=0.0)
+        err = [
+            abs(s.expected_cached_tokens - max(s.request.num_cached_tokens, 0)) / s.spec.num_prompt_tokens for s in done
+        ]
+        leaked = sum(sum(1 for c in rep.block_ref_counts() if c) for rep in self.replicas.values())
+        per_replica = {rid: 0 for rid in self.replicas}
+        for s in done:
+            per_replica[s.replica_id] += 1
+        return {
+            "policy": self.policy,
+            "num_requests": n_req,
+            "completed": len(done),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
+            "e2e_p50_s": percentile(e2e, 50),
+            "output_tokens": out_tokens,
+            "makespan_s": end - start,
+            "output_tokens_per_s": out_tokens / (end - start) if end > start else 0.0,
+            "pred_cached_err": sum(err) / len(err) if err else 0.0,
+            "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
+            "snapshots": self.num_snapshots,
+            "leaked_blocks": leaked,
+            "requests_per_replica": per_replica,
+            "reasons": dict(sorted(self.reasons.items())),
+            "busy_fraction": {
+                rid: round(r.busy_s / (end - start), 4) if end > start else 0.0 for rid, r in self.replicas.items()
+            },
+        }
+
+
+# ---------------------------------------------------------------------- capacity
+def ideal_uncached_tokens(workload: Workload, block_size: int) -> list[int]:
+    """Per request, the prompt tokens a single infinite cache would still compute
+    (everything seen before, prompts and planned answers, is a hit)."""
+    spec = HashSpec(block_size, 0, "capacity")
+    seen: set[int] = set()
+    out: list[int] = []
+    for r in workload.requests:
+        hashes = hash_blocks(spec, r.prompt_token_ids)
+        hit = 0
+        for h in hashes[: (r.num_prompt_tokens - 1) // block_size]:
+            if h not in seen:
+                break
+            hit += 1
+        out.append(r.num_prompt_tokens - hit * block_size)
+        seen.update(hashes)
+        if r.output_token_ids is not None:
+            seen.update(hash_blocks(spec, tuple(r.prompt_token_ids) + tuple(r.output_token_ids)))
+    return out
+
+
+def estimate_capacity(workload: Workload, cost: CostModel, config: SimConfig) -> dict[str, float]:
+    """The request rate at which the fleet saturates, from the cost model.
+
+    Per request: its ideally-uncached prompt tokens at the prefill rate, plus its output
+    tokens at the per-token cost of a decode step at batch B, where B is the smaller of
+    ``max_num_seqs`` and how many average contexts fit in a replica's KV cache. Fleet
+    capacity = replicas / mean per-request seconds. An upper bound for a cache-ideal
+    router: a policy that misses more saturates earlier.
+    """
+    reqs = workload.requests
+    uncached = ideal_uncached_tokens(workload, config.block_size)
+    avg_ctx = sum(r.num_prompt_tokens + r.output_len / 2 for r in reqs) / len(reqs)
+    batch = max(1, min(config.max_num_seqs, int(config.kv_blocks * config.block_size / avg_ctx)))
+    step = cost.step_time(0, batch, int(batch * avg_ctx))
+    per_req = [u / cost.prefill_tokens_per_s + r.output_len * step / batch for u, r in zip(uncached, reqs)]
+    mean_s = sum(per_req) / len(per_req)
+    return {
+        "capacity_rps": config.num_replicas / mean_s,
+        "decode_batch": batch,
+        "decode_step_s": step,
+        "mean_request_s": mean_s,
+        "ideal_hit_rate": 1 - sum(uncached) / workload.prompt_tokens,
+    }

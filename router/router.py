@@ -1,0 +1,210 @@
+"""The Router: block directory + load view + a policy, behind one small API.
+
+It implements ``ClusterView`` for its policy. ``route`` asks the policy, then records
+the request's blocks as *pending* on the chosen replica (optimistic insert: the next
+request sharing that new prefix sees it at once, instead of the whole burst scattering
+before the replica's first KV event), bumps that replica's load increments, and calls
+``policy.on_routed``. Nothing here is thread-safe: one caller (the router actor) drives
+it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router.directory import BlockDirectory
+from kvroute.router.load_view import LoadView
+from kvroute.router.policy import Policy
+from kvroute.router.types import ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
+
+
+def _make_policy(policy: Policy | str, policy_kwargs: dict[str, Any]) -> Policy:
+    if isinstance(policy, Policy):
+        if policy_kwargs:
+            raise ValueError(f"policy keyword arguments {sorted(policy_kwargs)} need a policy name, not an instance")
+        return policy
+    try:
+        from kvroute.router.policies import make_policy
+    except ImportError:
+        if policy != "kvroute":
+            raise
+        from kvroute.router.policies.kvroute import KVRoutePolicy
+
+        return KVRoutePolicy(**policy_kwargs)
+    return make_policy(policy, **policy_kwargs)
+
+
+class Router:
+    """Routes requests to replicas; kept current by the replicas' KV events.
+
+    ``apply(events)`` for an unknown replica (e.g. one removed while its last batch was
+    in flight) is ignored and counted in ``stats()["events_unknown_replica"]``.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str = "kvroute",
+        block_size: int = 16,
+        *,
+        pending_ttl_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        **policy_kwargs: Any,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.clock = clock
+        self.policy = _make_policy(policy, policy_kwargs)
+        self.directory = BlockDirectory(pending_ttl_s, clock)
+        self.loads = LoadView()
+        self._reasons: Counter[str] = Counter()
+        self._routed_to: Counter[str] = Counter()
+        self._events_applied = 0
+        self._events_gap = 0
+        self._events_unknown = 0
+        self._block_updates = 0
+        self._last_match: dict[ReplicaId, int] | None = None
+        self._last_match_key: Sequence[BlockHash] | None = None
+        self.load = self.loads.load  # type: ignore[method-assign]  # one call less on the request path
+        self._all: tuple[ReplicaId, ...] = ()  # every replica, one object until membership changes
+
+    # ------------------------------------------------------------------ membership
+    def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
+        self.directory.add_replica(replica_id, capacity_blocks)
+        self.loads.add_replica(replica_id, capacity_blocks)
+        self._all = tuple(self.directory.replicas())
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.directory.remove_replica(replica_id)
+        self.loads.remove_replica(replica_id)
+        self._all = tuple(self.directory.replicas())
+        self.policy.on_replica_removed(ReplicaId(replica_id))
+
+    def replicas(self) -> list[ReplicaId]:
+        return self.directory.replicas()
+
+    # ------------------------------------------------------------------ events
+    def apply(self, events: KVEvents) -> bool:
+        """Apply one batch of a replica's KV events. False: a ``seq`` gap, and the
+        replica is now stale (ask it for ``cached_block_hashes()`` and call
+        ``apply_snapshot``). The load figures are taken either way."""
+        rid = events.replica_id
+        if rid not in self.directory:
+            self._events_unknown += 1
+            return True
+        if events.load is not None:
+            self.loads.report(rid, events.load)
+        ok = self.directory.apply(rid, events.seq, events.stored, events.removed, events.cleared)
+        if ok:
+            self._events_applied += 1
+            self._block_updates += len(events.stored) + len(events.removed)
+        else:
+            self._events_gap += 1
+        return ok
+
+    def apply_snapshot(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int, load: LoadFigures | None = None
+    ) -> None:
+        """Replace the replica's entries by its full cache as of event ``seq``."""
+        self.directory.apply_snapshot(replica_id, block_hashes, seq)
+        if load is not None:
+            self.loads.report(replica_id, load)
+
+    def stale_replicas(self) -> list[ReplicaId]:
+        return self.directory.stale_replicas()
+
+    # ------------------------------------------------------------------ routing
+    def route(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str] | None = None
+    ) -> RouteDecision:
+        """Choose a replica for a request of ``num_tokens`` prompt tokens whose full
+        blocks hash to ``block_hashes``; ``candidates`` None means every replica."""
+        if candidates is None:
+            cands = self._all
+            if not cands:
+                raise ValueError("the router has no replicas: call add_replica before routing")
+        else:
+            if not candidates:
+                raise ValueError("candidates is empty: pass None for all replicas, or at least one replica id")
+            unknown = [c for c in candidates if c not in self.directory]
+            if unknown:
+                raise ValueError(f"unknown candidate replicas {unknown}; known: {sorted(self.directory.replicas())}")
+            cands = tuple(candidates)  # type: ignore[arg-type]
+        if num_tokens < len(block_hashes) * self.block_size:
+            raise ValueError(
+                f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
+            )
+        request = RouteRequest(block_hashes, num_tokens, cands)
+        self._last_match = None
+        decision = self.policy.choose(request, self)
+        chosen = decision.replica_id
+        if chosen not in self.directory or (candidates is not None and chosen not in cands):
+            raise AssertionError(f"policy {self.policy.name!r} chose {chosen!r}, not a candidate")
+        # uncached tokens there, as the directory sees them (baselines may not predict it)
+        m = self._last_match
+        if m is None or self._last_match_key is not block_hashes or chosen not in m:
+            m = self.directory.match(block_hashes, [chosen])
+        held = m[chosen]
+        cached = min(held * self.block_size, max(num_tokens - 1, 0))
+        self.directory.add_pending(chosen, block_hashes, start=held)
+        self.loads.on_routed(chosen, num_tokens - cached)
+        self.policy.on_routed(request, decision)
+        self._reasons[decision.reason] += 1
+        self._routed_to[chosen] += 1
+        self._last_match = None
+        return decision
+
+    # ------------------------------------------------------------------ ClusterView
+    def prefix_match(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str]) -> dict[ReplicaId, int]:
+        m = self.directory.match(block_hashes, candidates)
+        self._last_match, self._last_match_key = m, block_hashes
+        return m
+
+    def load(self, replica_id: str) -> ReplicaLoad:
+        return self.loads.load(replica_id)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "replicas": len(self.directory.replicas()),
+            "stale_replicas": self.directory.stale_replicas(),
+            "directory_blocks": self.directory.num_blocks(),
+            "directory_entries": self.directory.num_entries(),
+            "pending_entries": self.directory.num_pending(),
+            "decisions": sum(self._reasons.values()),
+            "decisions_by_reason": dict(self._reasons),
+            "decisions_by_replica": dict(self._routed_to),
+            "events_applied": self._events_applied,
+            "events_gap": self._events_gap,
+            "events_unknown_replica": self._events_unknown,
+            "block_updates": self._block_updates,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-serializable state (directory + last load figures) for ``restore``."""
+        loads = {}
+        for rid in self.directory.replicas():
+            f = self.loads.figures(rid)
+            loads[rid] = {k: getattr(f, k) for k in LoadFigures.__dataclass_fields__}
+        return {"block_size": self.block_size, "directory": self.directory.snapshot(), "loads": loads}
+
+    @classmethod
+    def restore(cls, state: dict[str, Any], policy: Policy | str = "kvroute", **kwargs: Any) -> "Router":
+        kwargs.setdefault("pending_ttl_s", state["directory"]["pending_ttl_s"])
+        router = cls(policy, state["block_size"], **kwargs)
+        router.directory = BlockDirectory.restore(state["directory"], router.clock)
+        router.directory.pending_ttl_s = kwargs["pending_ttl_s"]
+        router.loads = LoadView()
+        router.load = router.loads.load  # type: ignore[method-assign]
+        router._all = tuple(router.directory.replicas())
+        for rid, rs in state["directory"]["replicas"].items():
+            router.loads.add_replica(rid, rs["capacity_blocks"])
+            fig = state.get("loads", {}).get(rid)
+            if fig is not None:
+                router.loads.report(rid, LoadFigures(**fig))
+        return router

@@ -1,0 +1,135 @@
+"""The policy simulator and the workload generators (CPU, fast)."""
+
+import json
+import statistics
+
+import pytest
+
+from kvroute.benchmarks import workloads as W
+
+pytest.importorskip("kvroute.router.router", reason="router not built yet")
+
+from kvroute.benchmarks.sim.cost_model import cpu_measured, gpu_h100_llama3_8b  # noqa: E402
+from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity  # noqa: E402
+
+CFG = SimConfig(num_replicas=3, kv_blocks=256, block_size=16, max_num_batched_tokens=512, max_num_seqs=32)
+
+
+def small_gsp(seed=0):
+    wl = W.generated_shared_prefix(4, 8, 128, 16, 8, seed=seed)
+    return W.with_poisson_arrivals(wl, rate=40.0, seed=seed)
+
+
+def run(policy, wl=None, cfg=CFG):
+    return Simulation(wl or small_gsp(), policy, gpu_h100_llama3_8b(), cfg).run()
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "power_of_two", "oracle"])
+def test_deterministic_for_fixed_seed(policy):
+    a, b = run(policy), run(policy)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "oracle"])
+def test_counts_add_up_and_no_block_leaks(policy):
+    wl = small_gsp()
+    m = run(policy, wl)
+    assert m["completed"] == m["num_requests"] == len(wl) == 32
+    assert m["output_tokens"] == wl.output_tokens
+    assert m["prompt_tokens"] == wl.prompt_tokens
+    assert m["leaked_blocks"] == 0
+    assert sum(m["requests_per_replica"].values()) == 32
+    assert 0 <= m["hit_rate"] <= 1 and m["ttft_p50_s"] > 0
+
+
+def test_oracle_hits_at_least_round_robin():
+    assert run("oracle")["hit_rate"] >= run("round_robin")["hit_rate"]
+
+
+def test_multi_turn_runs_closed_loop():
+    wl = W.with_poisson_arrivals(W.multi_turn(num_conversations=3, len_scale=0.1, seed=1), rate=5.0)
+    m = Simulation(wl, "kvroute", gpu_h100_llama3_8b(), CFG).run()
+    assert m["completed"] == len(wl) and m["leaked_blocks"] == 0
+    assert m["hit_rate"] > 0.5  # each turn's history is cached from the previous turn
+
+
+def test_capacity_estimate_and_cost_models():
+    wl = W.generated_shared_prefix(4, 8, 128, 16, 8)
+    cap = estimate_capacity(wl, gpu_h100_llama3_8b(), CFG)
+    assert cap["capacity_rps"] > 0
+    # 4 groups of 8: every prompt but each group's first hits its 128-token prefix.
+    assert cap["ideal_hit_rate"] == pytest.approx(28 * 128 / (32 * 144))
+    cpu = cpu_measured()
+    assert cpu.prefill_tokens_per_s > 0 and cpu.step_time(0, 1) > 0
+
+
+# ---------------------------------------------------------------------- workloads
+def test_generated_shared_prefix_shape():
+    wl = W.generated_shared_prefix(seed=3)
+    assert len(wl) == 64 * 16 and wl.num_groups == 64
+    assert {r.num_prompt_tokens for r in wl.requests} == {2048 + 128}
+    assert {r.output_len for r in wl.requests} == {256}
+    by_group = {}
+    for r in wl.requests:
+        by_group.setdefault(r.group_id, []).append(r)
+    assert len(by_group) == 64 and all(len(v) == 16 for v in by_group.values())
+    for v in by_group.values():
+        assert len({r.prompt_token_ids[:2048] for r in v}) == 1
+        assert len({r.prompt_token_ids[2048:] for r in v}) == 16
+    assert [r.group_id for r in wl.requests] != sorted(r.group_id for r in wl.requests)  # shuffled
+    again = W.generated_shared_prefix(seed=3)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in wl.requests]
+
+
+def test_seed_cases_b2b_and_scaling():
+    hi, lo = W.high_hit(scale=0.125), W.low_hit(scale=0.125)
+    assert {r.num_prompt_tokens for r in hi.requests} == {3128} and {r.num_prompt_tokens for r in lo.requests} == {3128}
+    assert hi.shared_prefix_tokens == 3000 and lo.shared_prefix_tokens == 128
+    b = W.b2b()
+    assert len(b) == 750 and b.num_groups == 150
+    assert {r.num_prompt_tokens for r in b.requests} == {7200} and {r.output_len for r in b.requests} == {1000}
+    s = W.b2b(scale=0.1, len_scale=0.5)
+    assert len(s) == 15 * 5 and {r.num_prompt_tokens for r in s.requests} == {3600}
+
+
+def test_zipf_popularity():
+    wl = W.zipf_groups(seed=0)
+    assert len(wl) == 1024
+    counts = [0] * 64
+    for r in wl.requests:
+        counts[r.group_id] += 1
+    p = W.zipf_weights(64, 1.1)
+    assert counts[0] == max(counts)
+    assert abs(counts[0] / 1024 - p[0]) < 0.05  # the hottest group gets ~21%
+
+
+def test_poisson_mean_interarrival():
+    t = W.poisson_arrivals(4000, rate=20.0, seed=1)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert t[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.05)
+    assert W.rate_sweep(100.0) == pytest.approx([50.0, 70.0, 85.0, 95.0])
+    with pytest.raises(ValueError):
+        W.poisson_arrivals(3, 0.0)
+
+
+def test_multi_turn_history_is_a_prefix():
+    wl = W.multi_turn(seed=2)
+    assert len({r.session_id for r in wl.requests}) == 24
+    convs = {}
+    for r in wl.requests:
+        convs.setdefault(r.session_id, []).append(r)
+    common = wl.requests[0].prompt_token_ids[:500]
+    for turns in convs.values():
+        assert 6 <= len(turns) <= 9
+        assert turns[0].after is None
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur.after == prev.request_id
+            history = prev.prompt_token_ids + prev.output_token_ids
+            assert cur.prompt_token_ids[: len(history)] == history
+            assert 120 <= cur.num_prompt_tokens - len(history) <= 160
+            assert 80 <= cur.output_len <= 120 and len(cur.output_token_ids) == cur.output_len
+        assert turns[0].prompt_token_ids[:500] == common
+    timed = W.with_poisson_arrivals(wl, rate=2.0)
+    firsts = [r.arrival_s for r in timed.requests if r.after is None]
+    assert len(firsts) == 24 and firsts == sorted(firsts)

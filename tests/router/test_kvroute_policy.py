@@ -1,0 +1,107 @@
+"""KVRoutePolicy on hand-built cluster views."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.router.policies.kvroute import KVRoutePolicy
+from kvroute.router.router import Router
+from kvroute.router.types import ReplicaLoad, RouteRequest
+
+SPEC = HashSpec(16)
+TOKENS = list(range(16 * 64 + 10))  # 64 full blocks + 10 tokens
+H = hash_blocks(SPEC, TOKENS)
+N = len(TOKENS)
+
+
+@dataclass
+class View:
+    matches: dict
+    loads: dict = field(default_factory=dict)
+    block_size: int = 16
+
+    def prefix_match(self, block_hashes, candidates):
+        return {c: self.matches.get(c, 0) for c in candidates}
+
+    def load(self, replica_id):
+        return self.loads.get(replica_id, ReplicaLoad())
+
+
+def choose(view, policy=None, cands=("a", "b", "c")):
+    return (policy or KVRoutePolicy()).choose(RouteRequest(H, N, list(cands)), view)
+
+
+def test_longest_prefix_wins_when_idle():
+    d = choose(View({"a": 10, "b": 40, "c": 0}))
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 640, "prefix")
+
+
+def test_tie_longer_prefix_then_fewer_in_flight_then_order():
+    busy = ReplicaLoad(num_waiting=1, in_flight=2)
+    d = choose(View({"a": 20, "b": 20, "c": 20}, {"a": busy, "b": ReplicaLoad(in_flight=1)}))
+    assert (d.replica_id, d.reason) == ("c", "prefix")
+    d = choose(View({"a": 20, "b": 20, "c": 20}, {"a": busy}))
+    assert d.replica_id == "b"
+    d = choose(View({}), cands=("c", "b", "a"))
+    assert (d.replica_id, d.reason) == ("c", "cold")
+
+
+def test_expected_cached_capped_below_prompt():
+    d = choose(View({"a": 64}), cands=("a",))
+    assert d.expected_cached_tokens == 64 * 16
+    view = View({"a": 64})
+    req = RouteRequest(H, 64 * 16, ["a"])
+    assert KVRoutePolicy().choose(req, view).expected_cached_tokens == 64 * 16 - 1
+
+
+def test_overloaded_owner_loses_to_idle_non_owner():
+    rate = 10_000.0
+    owner = ReplicaLoad(num_waiting=8, queued_prefill_tokens=20_000, prefill_tokens_per_s=rate)
+    idle = ReplicaLoad(prefill_tokens_per_s=rate)
+    d = choose(View({"a": 64}, {"a": owner, "b": idle, "c": idle}))
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 0, "hot_prefix_replica")
+
+
+def test_within_slack_owner_keeps_prefix():
+    rate = 10_000.0
+    # owner: (1100 + 10) / rate = 0.111 s; idle non-owner: 1034 / rate = 0.103 s (within 1.2x)
+    owner = ReplicaLoad(num_waiting=1, queued_prefill_tokens=1100, prefill_tokens_per_s=rate)
+    idle = ReplicaLoad(prefill_tokens_per_s=rate)
+    d = choose(View({"a": 64}, {"a": owner, "b": idle}), cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # a partial owner beats the full owner past the slack: reason "load"
+    owner = ReplicaLoad(queued_prefill_tokens=5000, prefill_tokens_per_s=rate)
+    d = choose(View({"a": 64, "b": 32}, {"a": owner, "b": idle}), cands=("a", "b"))
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 512, "load")
+
+
+def test_decode_interference_counts():
+    p = KVRoutePolicy(default_prefill_tokens_per_s=1000.0, default_decode_step_s=0.05, step_tokens=512)
+    assert p.predict_ttft(ReplicaLoad(), 1000) == pytest.approx(1.0)
+    assert p.predict_ttft(ReplicaLoad(num_running=3), 1000) == pytest.approx(1.0 + 2 * 0.05)
+    busy = ReplicaLoad(num_running=3, prefill_tokens_per_s=2000.0, decode_step_s=0.02)
+    assert p.predict_ttft(busy, 1000) == pytest.approx(0.5 + 2 * 0.02)
+    # equal queues, but b decodes a lot: a wins the cold request
+    d = p.choose(RouteRequest(H, N, ["b", "a"]), View({}, {"b": ReplicaLoad(num_running=30, decode_step_s=0.5)}))
+    assert d.replica_id == "a"
+
+
+def test_cold_cluster_spreads_load():
+    r = Router(KVRoutePolicy(), 16)
+    for i in range(4):
+        r.add_replica(f"r{i}", 1000)
+    chosen = []
+    for g in range(8):
+        toks = [g * 10_000 + i for i in range(16 * 32)]
+        d = r.route(hash_blocks(SPEC, toks), len(toks))
+        assert d.reason == "cold"
+        chosen.append(d.replica_id)
+    assert chosen == ["r0", "r1", "r2", "r3"] * 2
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError):
+        KVRoutePolicy(slack_rel=0.9)
+    with pytest.raises(ValueError):
+        KVRoutePolicy(default_prefill_tokens_per_s=0)

@@ -1,0 +1,152 @@
+"""Router: API errors, optimistic insert, load view increments, stats, snapshot."""
+
+import json
+
+import pytest
+
+from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router.policies.kvroute import KVRoutePolicy
+from kvroute.router.policy import Policy
+from kvroute.router.router import Router
+from kvroute.router.types import RouteDecision
+
+SPEC = HashSpec(16)
+
+
+def prompt(group: int, system_blocks: int, question: int) -> tuple[list, int]:
+    tokens = [group * 100_000 + i for i in range(system_blocks * 16)] + [7 + question * 31 + i for i in range(10)]
+    return hash_blocks(SPEC, tokens), len(tokens)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class First(Policy):
+    name = "first"
+
+    def __init__(self) -> None:
+        self.routed = []
+        self.removed = []
+
+    def choose(self, request, view):
+        return RouteDecision(request.candidates[0], 0, "first")
+
+    def on_routed(self, request, decision):
+        self.routed.append(decision.replica_id)
+
+    def on_replica_removed(self, replica_id):
+        self.removed.append(replica_id)
+
+
+def cluster(n=4, policy=None, capacity=1000):
+    clock = Clock()
+    r = Router(policy or KVRoutePolicy(), 16, clock=clock)
+    for i in range(n):
+        r.add_replica(f"r{i}", capacity)
+    return r, clock
+
+
+def test_route_errors():
+    r = Router(KVRoutePolicy())
+    h, n = prompt(0, 2, 0)
+    with pytest.raises(ValueError, match="no replicas"):
+        r.route(h, n)
+    r.add_replica("a", 10)
+    with pytest.raises(ValueError, match="unknown candidate"):
+        r.route(h, n, ["a", "nope"])
+    with pytest.raises(ValueError, match="empty"):
+        r.route(h, n, [])
+    with pytest.raises(ValueError, match="num_tokens"):
+        r.route(h, 3)
+    with pytest.raises(ValueError, match="need a policy name"):
+        Router(KVRoutePolicy(), slack_rel=2.0)
+    assert r.route(h, n).replica_id == "a"
+
+
+def test_policy_by_name_is_kvroute():
+    r = Router("kvroute", slack_rel=1.5)
+    assert isinstance(r.policy, KVRoutePolicy) and r.policy.slack_rel == 1.5
+
+
+def test_burst_with_one_new_prefix_goes_to_one_replica():
+    r, _ = cluster(4)
+    h, n = prompt(1, 64, 0)
+    first = r.route(h, n)
+    assert first.reason == "cold"
+    for q in range(1, 8):
+        hq, nq = prompt(1, 64, q)
+        d = r.route(hq, nq)
+        assert d.replica_id == first.replica_id and d.reason == "prefix"
+        assert d.expected_cached_tokens == 64 * 16
+    # another new prefix goes elsewhere (the first replica has a queue now)
+    h2, n2 = prompt(2, 64, 0)
+    assert r.route(h2, n2).replica_id != first.replica_id
+
+
+def test_policy_hooks_and_candidates_subset():
+    p = First()
+    r, _ = cluster(3, p)
+    h, n = prompt(0, 4, 0)
+    assert r.route(h, n, ["r2", "r1"]).replica_id == "r2"
+    assert p.routed == ["r2"]
+    assert r.prefix_match(h, ["r0", "r1", "r2"]) == {"r0": 0, "r1": 0, "r2": 4}
+    r.remove_replica("r2")
+    assert p.removed == ["r2"] and r.replicas() == ["r0", "r1"]
+    assert r.prefix_match(h, ["r0", "r1"]) == {"r0": 0, "r1": 0}
+
+
+def test_load_view_increments_and_reset_on_report():
+    r, _ = cluster(2, First())
+    h, n = prompt(0, 4, 0)  # 4 blocks + 10 tokens = 74 tokens
+    r.route(h, n)
+    assert r.load("r0").in_flight == 1 and r.load("r0").queued_prefill_tokens == n
+    r.route(h, n)  # now 4 blocks pending there: 74 - 64 uncached
+    L = r.load("r0")
+    assert L.in_flight == 2 and L.queued_prefill_tokens == n + (n - 64) and L.queue_len == 2
+    assert L.capacity_blocks == 1000
+    fig = LoadFigures(num_waiting=1, num_running=1, queued_prefill_tokens=50, kv_usage=0.25,
+                      prefill_tokens_per_s=5000.0, decode_step_s=0.01)
+    assert r.apply(KVEvents("r0", 1, stored=list(h), load=fig))
+    L = r.load("r0")
+    assert (L.in_flight, L.queued_prefill_tokens, L.num_waiting, L.num_running) == (0, 50, 1, 1)
+    assert (L.kv_usage, L.prefill_tokens_per_s, L.decode_step_s) == (0.25, 5000.0, 0.01)
+    assert r.load("r1") == r.load("r1").__class__(capacity_blocks=1000)
+
+
+def test_apply_gap_takes_load_and_snapshot_recovers():
+    r, _ = cluster(2)
+    h, n = prompt(0, 4, 0)
+    assert r.apply(KVEvents("r1", 1, stored=h[:2]))
+    assert not r.apply(KVEvents("r1", 3, stored=h[2:], load=LoadFigures(num_waiting=5)))
+    assert r.stale_replicas() == ["r1"] and r.load("r1").num_waiting == 5
+    r.apply_snapshot("r1", h, 3, LoadFigures(num_waiting=2))
+    assert r.stale_replicas() == [] and r.load("r1").num_waiting == 2
+    assert r.prefix_match(h, ["r0", "r1"]) == {"r0": 0, "r1": 4}
+    assert r.apply(KVEvents("gone", 1, stored=h))  # unknown replica: ignored
+
+
+def test_stats_and_snapshot_restore():
+    r, clock = cluster(3)
+    for g in range(3):
+        for q in range(2):
+            h, n = prompt(g, 8, q)
+            r.route(h, n)
+    r.apply(KVEvents("r0", 1, stored=prompt(0, 8, 0)[0], load=LoadFigures(num_running=1)))
+    s = r.stats()
+    assert s["replicas"] == 3 and s["decisions"] == 6
+    assert s["decisions_by_reason"] == {"cold": 3, "prefix": 3}
+    assert sorted(s["decisions_by_replica"].values()) == [2, 2, 2]
+    assert s["directory_entries"] == 8 and s["events_applied"] == 1 and s["block_updates"] == 8
+    assert s["directory_blocks"] == 24 and s["pending_entries"] == 16
+    state = json.loads(json.dumps(r.snapshot()))
+    r2 = Router.restore(state, KVRoutePolicy(), clock=clock)
+    assert r2.replicas() == r.replicas() and r2.stats()["directory_blocks"] == 24
+    assert r2.load("r0").num_running == 1
+    h, n = prompt(1, 8, 5)
+    assert r2.route(h, n).replica_id == r.route(h, n).replica_id
