@@ -82,9 +82,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def queued_prefill_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running
-        )
+        """Prefill tokens still to compute: a waiting request counts only the part of its
+        prompt not already in the prefix cache (what its admission would compute)."""
+        waiting = 0
+        for r in self.waiting:
+            waiting += r.num_tokens - self.kv.get_computed_blocks(r)[1]
+        return waiting + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request wherever it is and free its blocks (idempotent)."""

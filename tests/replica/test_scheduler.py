@@ -248,3 +248,16 @@ def test_events_are_net_per_batch():
     kv.free(r)
     kv.pool.take_new_blocks(2)  # evicts h in the same batch it was stored
     assert kv.take_events() == ([], [], False)
+
+
+def test_queued_prefill_tokens_count_only_uncached_tokens():
+    sched, kv = make_sched(64, max_seqs=1)
+    a = make_req(range(33))
+    sched.add(a)
+    run_step(sched)
+    b = make_req(list(range(32)) + list(range(700, 708)))  # 40 tokens, 32 cached
+    c = make_req(range(900, 920))  # 20 tokens, none cached
+    sched.add(b)
+    sched.add(c)
+    # a is running (prefill done); b and c wait behind max_num_seqs=1.
+    assert sched.queued_prefill_tokens() == (40 - 32) + 20
