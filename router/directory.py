@@ -294,6 +294,11 @@ class BlockDirectory:
     def pending(self, replica_id: str) -> list[BlockHash]:
         return [BlockHash(h) for h in self._get(replica_id).pending]
 
+    def cache_fill(self, replica_id: str) -> float:
+        """(confirmed + pending entries) / capacity: how full the replica's prefix cache is."""
+        rep = self._get(replica_id)
+        return (len(rep.lru) + len(rep.pending)) / max(rep.capacity, 1)
+
     def num_blocks(self) -> int:
         """Distinct hashes with at least one owner."""
         return len(self._owners)

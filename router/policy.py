@@ -20,6 +20,10 @@ class ClusterView(Protocol):
 
     def load(self, replica_id: ReplicaId) -> ReplicaLoad: ...
 
+    def cache_fill(self, replica_id: ReplicaId) -> float:
+        """Fraction of the replica's KV capacity its cached + pending blocks take."""
+        ...
+
 
 class Policy(ABC):
     """Chooses one replica among ``request.candidates`` (never empty when called).

@@ -167,6 +167,9 @@ class Router:
     def load(self, replica_id: str) -> ReplicaLoad:
         return self.loads.load(replica_id)
 
+    def cache_fill(self, replica_id: str) -> float:
+        return self.directory.cache_fill(replica_id)
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         return {

@@ -52,6 +52,7 @@ class KVRoutePolicy(Policy):
         step_tokens: int = 2048,
         slack_rel: float = 1.2,
         slack_abs_s: float = 0.01,
+        fill_slack: float = 0.05,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -66,6 +67,9 @@ class KVRoutePolicy(Policy):
         self.step_tokens = int(step_tokens)
         self.slack_rel = float(slack_rel)
         self.slack_abs_s = float(slack_abs_s)
+        if not 0 <= fill_slack <= 1:
+            raise ValueError(f"fill_slack must be in [0, 1], got {fill_slack!r}")
+        self.fill_slack = float(fill_slack)
 
     def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of prefill."""
@@ -106,9 +110,15 @@ class KVRoutePolicy(Policy):
                 longest = cached
         limit = best * self.slack_rel + self.slack_abs_s
         pick = None
-        for row in rows:
-            if row[1] > limit:
-                continue
+        eligible = [row for row in rows if row[1] <= limit]
+        if longest == 0 and len(eligible) > 1:
+            # A new prefix: TTFTs are near-ties, so place it where the cache has the
+            # most room left, so it is not evicted before its group comes back.
+            fill = getattr(view, "cache_fill", None)
+            if fill is not None:
+                low = min(fill(cands[row[2]]) for row in eligible)
+                eligible = [row for row in eligible if fill(cands[row[2]]) <= low + self.fill_slack]
+        for row in eligible:
             if pick is None or self._better(row, pick):
                 pick = row
         assert pick is not None

@@ -105,3 +105,18 @@ def test_invalid_arguments():
         KVRoutePolicy(slack_rel=0.9)
     with pytest.raises(ValueError):
         KVRoutePolicy(default_prefill_tokens_per_s=0)
+
+
+def test_a_new_prefix_goes_where_the_cache_has_room():
+    from kvroute.replica.block_hash import HashSpec, hash_blocks
+    from kvroute.router.router import Router
+
+    router = Router("kvroute", block_size=16)
+    router.add_replica("full", capacity_blocks=100)
+    router.add_replica("empty", capacity_blocks=100)
+    # "full" caches 80 unrelated blocks; both report the same (idle) load.
+    filler = hash_blocks(HashSpec(16), list(range(80 * 16)))
+    router.apply_snapshot("full", filler, seq=1)
+    router.apply_snapshot("empty", [], seq=1)
+    d = router.route(hash_blocks(HashSpec(16), list(range(5000, 5064))), 64)
+    assert (d.replica_id, d.reason) == ("empty", "cold")
