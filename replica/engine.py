@@ -12,16 +12,14 @@ from kvroute.replica.config import EngineConfig
 from kvroute.replica.detokenizer import IncrementalDetokenizer
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.telemetry import ReplicaTelemetry
 from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
 from kvroute.replica.request import Request
 from kvroute.replica.sampler import Sampler, SampleRequest
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
-
-_EMA = 0.2  # weight of the newest step in the rate estimates
-
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -92,9 +90,7 @@ class Engine:
         )
         self.sampler = Sampler(config.seed)
         self.requests: dict[RequestId, Request] = {}
-        self._seq = 0
-        self._prefill_rate = 0.0
-        self._decode_step_s = 0.0
+        self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
 
     @property
     def model_id(self) -> str:
@@ -193,8 +189,8 @@ class Engine:
                 )
                 for row, tok, lp in zip(sampling_rows, sampled.token_ids, sampled.logprobs):
                     deltas.append(self._append(row.request, tok, lp))
-            self._update_rates(sched, time.perf_counter() - t0)
-        return StepOutput(deltas, self._events(), sched.num_tokens, len(sched.rows))
+            self.telemetry.observe_step(sched, time.perf_counter() - t0)
+        return StepOutput(deltas, self.telemetry.events(), sched.num_tokens, len(sched.rows))
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> TokenDelta:
         p = req.params
@@ -236,31 +232,9 @@ class Engine:
             stop_reason,
         )
 
-    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
-        prefill = sched.num_prefill_tokens
-        if prefill:
-            rate = sched.num_tokens / max(seconds, 1e-9)
-            self._prefill_rate = rate if not self._prefill_rate else (1 - _EMA) * self._prefill_rate + _EMA * rate
-        else:
-            d = self._decode_step_s
-            self._decode_step_s = seconds if not d else (1 - _EMA) * d + _EMA * seconds
-
-    def _events(self) -> KVEvents:
-        stored, removed, cleared = self.kv.take_events()
-        self._seq += 1
-        return KVEvents(self.config.replica_id, self._seq, stored, removed, cleared, self.load())
-
     # ------------------------------------------------------------------ introspection
     def load(self) -> LoadFigures:
-        s = self.scheduler
-        return LoadFigures(
-            num_waiting=len(s.waiting),
-            num_running=len(s.running),
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-            kv_usage=self.kv.usage,
-            prefill_tokens_per_s=self._prefill_rate,
-            decode_step_s=self._decode_step_s,
-        )
+        return self.telemetry.load()
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -274,8 +248,8 @@ class Engine:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=s.num_preemptions,
             queued_prefill_tokens=s.queued_prefill_tokens(),
-            prefill_tokens_per_s=self._prefill_rate,
-            decode_step_s=self._decode_step_s,
+            prefill_tokens_per_s=self.telemetry.prefill_tokens_per_s,
+            decode_step_s=self.telemetry.decode_step_s,
             max_batch_size=s.max_batch_size,
             block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks],
         )

@@ -19,12 +19,12 @@ from kvroute.benchmarks.workloads import RequestSpec
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.telemetry import ReplicaTelemetry
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request
 from kvroute.replica.sampling_params import SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-_EMA = 0.2  # as in replica/engine.py
 _VOCAB = 32000
 
 
@@ -67,9 +67,7 @@ class SimReplica:
         self.busy = False
         self._current: SchedulerOutput | None = None
         self._step_s = 0.0
-        self._seq = 0
-        self._prefill_rate = 0.0
-        self._decode_step_s = 0.0
+        self.telemetry = ReplicaTelemetry(replica_id, self.scheduler, self.kv)
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -141,29 +139,11 @@ class SimReplica:
                 sim.finish_s = now
                 del self.requests[req.request_id]
                 done.append(sim)
-        self._update_rates(sched, self._step_s)
-        stored, removed, cleared = self.kv.take_events()
-        self._seq += 1
-        return first, done, KVEvents(self.replica_id, self._seq, stored, removed, cleared, self.load())
-
-    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
-        if sched.num_prefill_tokens:
-            rate = sched.num_tokens / max(seconds, 1e-9)
-            self._prefill_rate = rate if not self._prefill_rate else (1 - _EMA) * self._prefill_rate + _EMA * rate
-        else:
-            d = self._decode_step_s
-            self._decode_step_s = seconds if not d else (1 - _EMA) * d + _EMA * seconds
+        self.telemetry.observe_step(sched, self._step_s)
+        return first, done, self.telemetry.events()
 
     def load(self) -> LoadFigures:
-        s = self.scheduler
-        return LoadFigures(
-            num_waiting=len(s.waiting),
-            num_running=len(s.running),
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-            kv_usage=self.kv.usage,
-            prefill_tokens_per_s=self._prefill_rate,
-            decode_step_s=self._decode_step_s,
-        )
+        return self.telemetry.load()
 
     def block_ref_counts(self) -> list[int]:
         return [b.ref_cnt for b in self.kv.pool.blocks]

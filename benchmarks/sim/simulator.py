@@ -152,7 +152,7 @@ class Simulation:
     def _deliver(self, events: KVEvents) -> None:
         if not self.router.apply(events):
             rep = self.replicas[events.replica_id]
-            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), events.seq, events.load)
+            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load())
             self.num_snapshots += 1
 
     # ------------------------------------------------------------------ metrics

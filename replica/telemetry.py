@@ -1,0 +1,49 @@
+"""What a replica reports after each step: KV events numbered by ``seq`` and load figures
+with measured rates. Shared by the engine and the simulator's replicas, so both speak to
+the router in exactly the same way."""
+
+from __future__ import annotations
+
+from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.scheduler import Scheduler, SchedulerOutput
+
+_EMA = 0.2  # weight of the newest step in the rate estimates
+
+
+class ReplicaTelemetry:
+    def __init__(self, replica_id: str, scheduler: Scheduler, kv: KVCacheManager) -> None:
+        self.replica_id = replica_id
+        self.scheduler = scheduler
+        self.kv = kv
+        self.seq = 0
+        self.prefill_tokens_per_s = 0.0
+        self.decode_step_s = 0.0
+
+    def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
+        """Fold one step's duration into the prefill rate (steps with prefill) or the
+        decode step time (decode-only steps)."""
+        if step.num_prefill_tokens:
+            rate = step.num_tokens / max(seconds, 1e-9)
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if not old else (1 - _EMA) * old + _EMA * rate
+        else:
+            old = self.decode_step_s
+            self.decode_step_s = seconds if not old else (1 - _EMA) * old + _EMA * seconds
+
+    def load(self) -> LoadFigures:
+        s = self.scheduler
+        return LoadFigures(
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            kv_usage=self.kv.usage,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_step_s=self.decode_step_s,
+        )
+
+    def events(self) -> KVEvents:
+        """The step's net cache changes, numbered one after the last batch."""
+        stored, removed, cleared = self.kv.take_events()
+        self.seq += 1
+        return KVEvents(self.replica_id, self.seq, stored, removed, cleared, self.load())
