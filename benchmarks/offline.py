@@ -45,10 +45,12 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float
     return dt, sum(len(o.token_ids) for o in outs)
 
 
-def run_transformers(path: str, prompts: list[list[int]], output_len: int, batch_size: int) -> tuple[float, int]:
+def run_transformers(
+    path: str, prompts: list[list[int]], output_len: int, batch_size: int, dtype: torch.dtype
+) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     produced = 0
     t = time.perf_counter()
     with torch.inference_mode():
@@ -79,19 +81,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both engines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    llm = LLM(args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=4.0)
+    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=4.0)
     prompts = random_prompts(args.num_requests, args.min_input, args.max_input, llm.engine.arch.vocab_size, args.seed)
     lens = [len(p) for p in prompts]
 
     # Prefill efficiency: prompts alone (1 output token), prefix caching off so every
     # token is computed.
-    peak = matmul_peak_gflops()
+    torch_dtype = getattr(torch, args.dtype)
+    peak = matmul_peak_gflops(torch_dtype)
     llm_nocache = LLM(
-        args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
+        args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False, kv_cache_memory_gb=4.0,
     )
     run_ours(llm_nocache, prompts[:4], 1)  # warm up
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     result = {
         "model": args.model,
+        "dtype": args.dtype,
         "num_requests": args.num_requests,
         "input_len": {"min": min(lens), "max": max(lens), "mean": statistics.mean(lens)},
         "output_len": args.output_len,
@@ -121,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     }
     summary = f"ours {ours_tps:.1f} tok/s; prefill {prefill_gflops:.1f} GFLOP/s = {prefill_gflops / peak:.0%} of matmul peak {peak:.1f}"
     if not args.skip_transformers:
-        hf_s, hf_tokens = run_transformers(str(llm.model_path), prompts, args.output_len, args.hf_batch_size)
+        hf_s, hf_tokens = run_transformers(str(llm.model_path), prompts, args.output_len, args.hf_batch_size, torch_dtype)
         hf_tps = hf_tokens / hf_s
         result["transformers"] = {"seconds": hf_s, "output_tokens": hf_tokens, "output_tokens_per_s": hf_tps, "batch_size": args.hf_batch_size}
         result["speedup_vs_transformers"] = ours_tps / hf_tps
         summary += f"; transformers {hf_tps:.1f} tok/s; ratio {ours_tps / hf_tps:.2f}x"
-    write_result("offline", result, summary, args.out)
+    write_result(f"offline_{args.dtype}", result, summary, args.out)
 
 
 if __name__ == "__main__":

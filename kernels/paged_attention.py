@@ -106,14 +106,12 @@ def _decode_batch(
     v = _gather_blocks(value_cache, blocks).view(b, length, num_kv_heads, head_dim).to(query.dtype)
     q = query[rows].view(b, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     seq_lens = torch.tensor(lens, device=query.device)
-    pad = torch.arange(length, device=query.device)[None, None, :] >= seq_lens[:, None, None]  # [B, 1, L]
-    o = torch.empty_like(q)
-    # Per KV head, k[:, :, h] is a strided [B, L, D] batch BLAS reads in place: no copy.
-    for h in range(num_kv_heads):
-        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
-        scores.masked_fill_(pad, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-        o[:, h] = torch.bmm(probs, v[:, :, h])  # [B, G, D]
+    keep = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
+    # GQA without repeating K/V: a KV head's G query heads are G "query rows" of that
+    # head (same position, so no causal mask among them). 4-D inputs take the fused kernel.
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :], scale=scale
+    )  # [B, KVH, G, D]
     out[rows] = o.reshape(b, num_heads, head_dim)
 
 

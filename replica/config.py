@@ -14,7 +14,8 @@ class EngineConfig:
 
     ``num_kv_blocks=None`` sizes the KV cache from ``kv_cache_memory_gb``. ``hash_seed``
     must be the cluster-wide seed so the router's hashes match the replica's.
-    ``dtype='auto'`` is bfloat16 on CUDA and float32 on CPU.
+    ``dtype='auto'`` is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX),
+    float32 on other CPUs.
     """
 
     model: str = "smollm2-135m-instruct"
