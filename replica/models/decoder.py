@@ -11,7 +11,7 @@ from torch import nn
 from kvroute.kernels import ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.models.arch import ModelArch
-from kvroute.replica.models.rope import RotaryEmbedding
+from kvroute.replica.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -42,8 +42,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -53,7 +52,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -79,8 +78,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,8 +113,9 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

@@ -42,11 +42,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` for these positions; computed once per forward pass and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, D] -> rotated copies."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
