@@ -24,7 +24,8 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
-from kvroute.router.types import ReplicaId
+from kvroute.router.policy import Policy
+from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
 
 
 class ApproxPrefixTree:
@@ -79,3 +80,16 @@ class ApproxPrefixTree:
 
     def replicas(self) -> list[ReplicaId]:
         return list(self._lru)
+
+
+class TreePolicy(Policy):
+    """A policy that learns only from its own decisions: every routed request's blocks
+    go into ``self.tree`` (set by the subclass) under the chosen replica."""
+
+    tree: ApproxPrefixTree
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        self.tree.insert(decision.replica_id, request.block_hashes)
+
+    def on_replica_removed(self, replica_id: ReplicaId) -> None:
+        self.tree.remove_replica(replica_id)

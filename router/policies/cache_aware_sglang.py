@@ -36,10 +36,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvroute.router.policies.approx_tree import ApproxPrefixTree
+from kvroute.router.policies.approx_tree import ApproxPrefixTree, TreePolicy
 from kvroute.router.policies.common import cached_tokens, least_loaded
-from kvroute.router.policy import ClusterView, Policy
-from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
+from kvroute.router.policy import ClusterView
+from kvroute.router.types import RouteDecision, RouteRequest
 
 SGLANG_CACHE_THRESHOLD = 0.5
 SGLANG_BALANCE_ABS_THRESHOLD = 32
@@ -47,7 +47,7 @@ SGLANG_BALANCE_REL_THRESHOLD = 1.0001
 SGLANG_MAX_TREE_SIZE = 2**24
 
 
-class CacheAwareSGLangPolicy(Policy):
+class CacheAwareSGLangPolicy(TreePolicy):
     name: ClassVar[str] = "cache_aware_sglang"
 
     def __init__(
@@ -90,10 +90,3 @@ class CacheAwareSGLangPolicy(Policy):
         return RouteDecision(
             replica, cached_tokens(matches[replica], view.block_size, request.num_tokens), reason
         )
-
-    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
-        self.tree.insert(decision.replica_id, request.block_hashes)
-
-    def on_replica_removed(self, replica_id: ReplicaId) -> None:
-        self.tree.remove_replica(replica_id)
-

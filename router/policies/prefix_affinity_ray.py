@@ -35,17 +35,17 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from kvroute.router.policies.approx_tree import ApproxPrefixTree
+from kvroute.router.policies.approx_tree import ApproxPrefixTree, TreePolicy
 from kvroute.router.policies.common import cached_tokens
 from kvroute.router.policies.power_of_two import power_of_two_pick
-from kvroute.router.policy import ClusterView, Policy
-from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
+from kvroute.router.policy import ClusterView
+from kvroute.router.types import RouteDecision, RouteRequest
 
 RAY_IMBALANCED_THRESHOLD = 10
 RAY_MATCH_RATE_THRESHOLD = 0.1
 
 
-class PrefixAffinityRayPolicy(Policy):
+class PrefixAffinityRayPolicy(TreePolicy):
     name: ClassVar[str] = "prefix_affinity_ray"
 
     def __init__(
@@ -85,9 +85,3 @@ class PrefixAffinityRayPolicy(Policy):
         return RouteDecision(
             replica, cached_tokens(matches[replica], view.block_size, request.num_tokens), reason
         )
-
-    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
-        self.tree.insert(decision.replica_id, request.block_hashes)
-
-    def on_replica_removed(self, replica_id: ReplicaId) -> None:
-        self.tree.remove_replica(replica_id)
