@@ -103,8 +103,15 @@ class Engine:
         token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        resume_output: Sequence[int] = (),
     ) -> Request:
-        """Validate a request without touching engine state (safe from another thread)."""
+        """Validate a request without touching engine state (safe from another thread).
+
+        ``resume_output``: output tokens this request already produced elsewhere (a
+        replica that died mid-stream). They count toward ``max_tokens`` / ``min_tokens``,
+        penalties, seeded sampling and the detokenizer's state, and are not streamed
+        again, so the continuation equals an uninterrupted run.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         rid = RequestId(str(request_id))
@@ -117,6 +124,14 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        resumed = [int(t) for t in resume_output]
+        bad = [t for t in resumed if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resume_output token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(
+                f"resume_output has {len(resumed)} tokens; it must be shorter than max_tokens={params.max_tokens}"
+            )
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:5]}")
@@ -139,6 +154,13 @@ class Engine:
             )
         req = Request(rid, ids, params, self.hash_spec, cache_salt, self.eos_token_ids)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        if resumed:
+            req.token_ids.extend(resumed)
+            # Every token before the last one went through the detokenizer (none stopped
+            # the request); its text was already streamed by the first replica.
+            _, stop = req.detokenizer.add_tokens(resumed)
+            if stop is not None:
+                raise ValueError(f"resume_output already contains the stop string {stop!r}")
         return req
 
     def add(self, request: Request) -> None:
@@ -154,8 +176,9 @@ class Engine:
         token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        resume_output: Sequence[int] = (),
     ) -> Request:
-        req = self.make_request(request_id, token_ids, params, cache_salt)
+        req = self.make_request(request_id, token_ids, params, cache_salt, resume_output)
         self.add(req)
         return req
 

@@ -513,3 +513,38 @@ def test_bfloat16_runs(fixture, request):
         assert all(0 <= t < VOCAB for t in o.token_ids)
         assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, frequency_penalty=0.5),
+    ],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize("split", [1, 5, 11])
+def test_resume_output_continues_exactly_like_an_uninterrupted_run(llm, prompt, params, split):
+    """A request resumed elsewhere with its tokens so far produces the rest of the
+    uninterrupted run: same tokens, same text, same finish, nothing streamed twice."""
+    (whole,) = llm.generate(prompt, params, use_tqdm=False)
+    head = whole.token_ids[:split]
+    engine = llm.engine
+    engine.add_request("resumed", prompt, params, resume_output=head)
+    deltas = []
+    while engine.has_unfinished():
+        deltas.extend(d for d in engine.step().deltas if d.request_id == "resumed")
+    tail = [t for d in deltas for t in d.token_ids]
+    assert tail == whole.token_ids[split:]
+    assert deltas[-1].finish_reason == whole.finish_reason
+    head_text = llm.tokenizer.decode(head, skip_special_tokens=True)
+    assert head_text + "".join(d.text for d in deltas) == whole.text
+    assert_no_leak(llm)
+
+
+def test_bad_resume_output_is_rejected(llm, prompt):
+    with pytest.raises(ValueError, match="shorter than max_tokens=3"):
+        llm.engine.add_request("r1", prompt, SamplingParams(max_tokens=3), resume_output=[5, 6, 7])
+    with pytest.raises(ValueError, match="resume_output token ids"):
+        llm.engine.add_request("r2", prompt, SamplingParams(max_tokens=3), resume_output=[VOCAB])
+    assert not llm.engine.requests
