@@ -33,6 +33,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.last_events = None  # the latest KVEvents, for whoever publishes them
         self._event_listeners: list = []
+        self._step_lock: asyncio.Lock | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -74,6 +75,25 @@ class AsyncEngine:
                 self._to_abort.append(rid)
                 self._ensure_loop()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that ended the step loop, if one did."""
+        task = self._loop_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+    async def between_steps(self, fn):
+        """``fn()``'s result, called on the event loop while no step is in flight and
+        after the listeners have seen every finished step (a consistent snapshot)."""
+        async with self._lock():
+            return fn()
+
+    def _lock(self) -> asyncio.Lock:
+        if self._step_lock is None:
+            self._step_lock = asyncio.Lock()
+        return self._step_lock
+
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))
         self._ensure_loop()
@@ -85,6 +105,7 @@ class AsyncEngine:
             # (a second asyncio.run over the same engine) needs its own Event and step task.
             self._loop = loop
             self._wake = asyncio.Event()
+            self._step_lock = None
             self._loop_task = None
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._run())
@@ -116,14 +137,15 @@ class AsyncEngine:
                         continue
                     await self._wake.wait()
                     continue
-                out = await asyncio.to_thread(self.engine.step)
-                for delta in out.deltas:
-                    q = self._queues.get(delta.request_id)
-                    if q is not None:
-                        q.put_nowait(delta)
-                self.last_events = out.kv_events
-                for fn in self._event_listeners:
-                    fn(out.kv_events)
+                async with self._lock():
+                    out = await asyncio.to_thread(self.engine.step)
+                    for delta in out.deltas:
+                        q = self._queues.get(delta.request_id)
+                        if q is not None:
+                            q.put_nowait(delta)
+                    self.last_events = out.kv_events
+                    for fn in self._event_listeners:
+                        fn(out.kv_events)
         except BaseException as exc:  # a crashed step must not leave callers hanging
             for q in self._queues.values():
                 q.put_nowait(RuntimeError(f"engine step failed: {exc!r}") if not isinstance(exc, asyncio.CancelledError) else exc)

@@ -12,7 +12,8 @@ Model (per candidate replica ``r``, for a request of ``n`` prompt tokens)::
 router's optimistic increments (``LoadView``). The decode-interference term charges one
 decode step per engine step the prefill spans: with chunked prefill each step carries
 the running decodes too, so a busy decoder stretches every chunk by about one decode
-step. A replica with no measured rate yet uses ``default_prefill_tokens_per_s`` /
+step. A replica with no measured rate yet uses the mean of its measured peers' rates, or,
+before any measurement, ``default_prefill_tokens_per_s`` /
 ``default_decode_step_s``, so a cold cluster still routes sensibly.
 
 Choice (hot-prefix replication without scattering): let ``best`` be the smallest
@@ -88,14 +89,19 @@ class KVRoutePolicy(Policy):
         bs = view.block_size
         n = request.num_tokens
         cap = max(n - 1, 0)
-        default_rate = self.default_prefill_tokens_per_s
-        default_step = self.default_decode_step_s
+        loads = [load_of(r) for r in cands]
+        # A replica not measured yet is assumed as fast as its measured peers (fleets
+        # are homogeneous); the configured defaults only apply before any measurement.
+        rates = [ld.prefill_tokens_per_s for ld in loads if ld.prefill_tokens_per_s]
+        steps = [ld.decode_step_s for ld in loads if ld.decode_step_s]
+        default_rate = sum(rates) / len(rates) if rates else self.default_prefill_tokens_per_s
+        default_step = sum(steps) / len(steps) if steps else self.default_decode_step_s
         step_tokens = self.step_tokens
         rows = []
         best = float("inf")
         longest = 0
-        for i, r in enumerate(cands):  # predict_ttft, inlined: this loop is the request path
-            load = load_of(r)
+        for i, load in enumerate(loads):  # predict_ttft, inlined: this loop is the request path
+            r = cands[i]
             cached = matched[r] * bs
             if cached > cap:
                 cached = cap

@@ -1,0 +1,154 @@
+"""The client every Ray process uses to generate: hash once, route, stream, fail over.
+
+``generate`` hashes the prompt's full blocks with the cluster's HashSpec (the request
+router ranks replicas with them), streams TokenDeltas from the chosen replica, and when
+that replica dies mid-stream resumes on another one with the prompt plus the tokens
+streamed so far (``resume_output``): the caller sees one uninterrupted stream, equal to
+an undisturbed run for greedy and for seeded sampling. Retries are bounded; a request
+that cannot be served ends with ``ReplicaUnavailableError``, overload with
+``OverloadedError``, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.messages import GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError
+from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks, root_hash
+from kvroute.replica.outputs import RequestId, TokenDelta
+from kvroute.replica.sampling_params import SamplingParams
+
+
+
+class _StreamCut(Exception):
+    """A replica's stream ended without a finished delta."""
+
+
+_REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError, _StreamCut)
+
+
+def prompt_block_hashes(spec: HashSpec, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+    """The hashes of the prompt's full blocks, exactly as the replica's engine computes them."""
+    full = len(token_ids) // spec.block_size * spec.block_size
+    return hash_blocks(spec, token_ids[:full], parent=root_hash(spec, cache_salt))
+
+
+class KVRouteClient:
+    def __init__(
+        self,
+        handle: Any,
+        hash_spec: HashSpec,
+        *,
+        max_resume_attempts: int = 3,
+        retry_backoff_s: float = 0.1,
+        first_token_timeout_s: float | None = 300.0,
+    ) -> None:
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self.hash_spec = hash_spec
+        self.max_resume_attempts = max_resume_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.stats = {"requests": 0, "resumes": 0, "overloaded": 0, "failed": 0}
+
+    @classmethod
+    def for_app(cls, config: ClusterConfig, **kwargs: Any) -> "KVRouteClient":
+        handle = serve.get_deployment_handle(config.deployment_name, app_name=config.app_name)
+        kwargs.setdefault("max_resume_attempts", config.max_resume_attempts)
+        return cls(handle, config.hash_spec, **kwargs)
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        rid = RequestId(request_id or uuid.uuid4().hex)
+        hashes = prompt_block_hashes(self.hash_spec, ids, cache_salt)
+        if prompt is None and messages is None:
+            prompt = " ".join(map(str, ids))  # text stand-in for text-matching routers
+        streamed: list[int] = []
+        attempt = 0
+        self.stats["requests"] += 1
+        while True:
+            request = GenerateRequest(
+                request_id=rid if attempt == 0 else f"{rid}#resume{attempt}",
+                token_ids=ids,
+                params=params,
+                block_hashes=hashes,
+                cache_salt=cache_salt,
+                resume_output=list(streamed),
+                prompt=prompt,
+                messages=messages,
+            )
+            response = self._stream_handle.generate.remote(request)
+            finished = False
+            try:
+                first = True
+                iterator = response.__aiter__()
+                while True:
+                    try:
+                        if first and self.first_token_timeout_s is not None:
+                            delta = await asyncio.wait_for(iterator.__anext__(), self.first_token_timeout_s)
+                        else:
+                            delta = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:
+                        self.stats["failed"] += 1
+                        raise ReplicaUnavailableError(
+                            f"request {rid}: no token within first_token_timeout_s={self.first_token_timeout_s}"
+                        ) from None
+                    first = False
+                    streamed.extend(delta.token_ids)
+                    finished = delta.finish_reason is not None
+                    yield dataclasses.replace(delta, request_id=rid)
+                    if finished:
+                        return
+                raise _StreamCut()
+            except BackPressureError as exc:
+                self.stats["overloaded"] += 1
+                raise OverloadedError(f"request {rid} rejected: the application is overloaded ({exc})") from exc
+            except _REPLICA_LOST as exc:
+                attempt += 1
+                if attempt > self.max_resume_attempts:
+                    self.stats["failed"] += 1
+                    raise ReplicaUnavailableError(
+                        f"request {rid}: replicas failed {attempt} times (max_resume_attempts="
+                        f"{self.max_resume_attempts}); last error: {type(exc).__name__}"
+                    ) from exc
+                self.stats["resumes"] += 1
+                await asyncio.sleep(self.retry_backoff_s * attempt)
+            finally:
+                if not finished:
+                    response.cancel()  # the caller left (or the replica died): stop the work there
+
+    async def complete(self, token_ids: Sequence[int], params: SamplingParams, **kwargs: Any) -> list[TokenDelta]:
+        """Every delta of one request (convenience for tests and batch jobs)."""
+        return [d async for d in self.generate(token_ids, params, **kwargs)]
+
+    async def debug_state(self, replica_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """One replica's exact cache and block state (needs the kvroute request router)."""
+        response = self._handle.debug_state.remote(ReplicaCall(replica_id))
+        try:
+            return await asyncio.wait_for(response, timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ReplicaUnavailableError(f"replica {replica_id} did not answer within {timeout_s} s") from None

@@ -1,0 +1,96 @@
+"""Cluster configuration: the engine every replica runs, how many replicas, the limits
+that turn overload into a clear error, and which router decides. One frozen dataclass,
+validated on construction, shipped to every replica and to the router actor."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.replica.block_hash import HashSpec
+from kvroute.replica.config import EngineConfig
+
+# Which Serve request router the deployment's handles use.
+#   kvroute            ours: asks the router actor (policy ``router_policy``)
+#   power_of_two       Ray Serve's default PowerOfTwoChoicesRequestRouter
+#   prefix_affinity_ray Ray Serve LLM's PrefixCacheAffinityRouter (needs ``prompt``)
+REQUEST_ROUTERS = ("kvroute", "power_of_two", "prefix_affinity_ray")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``engine.replica_id`` is ignored (each replica takes its Serve replica id);
+    ``engine.hash_seed`` is the cluster-wide block-hash seed: ``with_random_hash_seed``
+    draws one once, where the application is built, never inside a replica."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    app_name: str = "kvroute"
+    deployment_name: str = "EngineReplica"
+    num_replicas: int | None = 2  # None with autoscaling_config
+    autoscaling_config: dict[str, Any] | None = None
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    torch_threads: int | None = None  # None: one per CPU of the replica (at least 1)
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 256
+    request_router: str = "kvroute"
+    router_policy: str = "kvroute"
+    router_policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    router_timeout_s: float = 1.0  # a routing call slower than this falls back to power of two
+    heartbeat_s: float = 0.5  # a replica reports at least this often, even when idle
+    replica_timeout_s: float = 10.0  # the router forgets a replica silent this long
+    graceful_shutdown_timeout_s: float = 30.0
+    max_resume_attempts: int = 3  # per request, after a replica dies mid-stream
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if self.num_replicas is None and self.autoscaling_config is None:
+            raise ValueError("set num_replicas or autoscaling_config")
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("num_replicas and autoscaling_config are exclusive: autoscaling picks the count")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.num_cpus_per_replica <= 0 or self.num_gpus_per_replica < 0:
+            raise ValueError("num_cpus_per_replica must be > 0 and num_gpus_per_replica >= 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.max_queued_requests < -1 or self.max_queued_requests == 0:
+            raise ValueError(f"max_queued_requests must be >= 1 or -1 (unbounded), got {self.max_queued_requests}")
+        if self.request_router not in REQUEST_ROUTERS:
+            raise ValueError(f"request_router must be one of {REQUEST_ROUTERS}, got {self.request_router!r}")
+        from kvroute.router.policies import policy_names
+
+        if self.router_policy not in policy_names():
+            raise ValueError(f"router_policy must be one of {policy_names()}, got {self.router_policy!r}")
+        for name in ("router_timeout_s", "heartbeat_s", "replica_timeout_s", "graceful_shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.replica_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"replica_timeout_s={self.replica_timeout_s} must exceed two heartbeats (heartbeat_s={self.heartbeat_s})"
+            )
+        if self.max_resume_attempts < 0:
+            raise ValueError(f"max_resume_attempts must be >= 0, got {self.max_resume_attempts}")
+
+    def with_random_hash_seed(self) -> "ClusterConfig":
+        """A copy whose engines share a freshly drawn block-hash seed (one per cluster)."""
+        engine = dataclasses.replace(self.engine, hash_seed=secrets.randbits(63))
+        return dataclasses.replace(self, engine=engine)
+
+    @property
+    def hash_spec(self) -> HashSpec:
+        """The spec callers hash prompts with; equal to every replica engine's own."""
+        return HashSpec(self.engine.block_size, self.engine.hash_seed, self.engine.model)
+
+    @property
+    def router_actor_name(self) -> str:
+        return f"kvroute-router:{self.app_name}"
+
+    @property
+    def torch_threads_per_replica(self) -> int:
+        return self.torch_threads or max(1, int(self.num_cpus_per_replica))

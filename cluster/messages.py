@@ -1,0 +1,62 @@
+"""What crosses Ray between the client, the Serve request router and the replicas
+(torch-free: the request router runs inside every caller's process), and the errors a
+caller can act on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.sampling_params import SamplingParams
+
+ROUTER_NAMESPACE = "kvroute"  # Ray namespace of the router actors
+
+
+@dataclass
+class GenerateRequest:
+    """One generation call to a replica.
+
+    ``block_hashes`` are the prompt's full-block hashes under the cluster's HashSpec,
+    computed once by the caller; the request router ranks replicas with them.
+    ``resume_output`` holds tokens already streamed by a replica that died (the new one
+    continues after them). ``prompt`` / ``messages`` carry the text for routers that
+    match on text (Ray Serve's PrefixCacheAffinityRouter reads these attributes).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    block_hashes: Sequence[BlockHash]
+    cache_salt: str | None = None
+    resume_output: list[int] = field(default_factory=list)
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    # Replica ids (Serve unique ids) this request must not go to (it died there).
+    avoid: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ReplicaCall:
+    """Addresses a non-generate method call to one replica by its Serve unique id
+    (introspection: ``debug_state``, ``cached_block_hashes``)."""
+
+    replica_id: str
+
+
+class OverloadedError(RuntimeError):
+    """Every replica is at ``max_ongoing_requests`` and the application's queue is full.
+    The HTTP layer answers 429 with ``Retry-After: retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ReplicaUnavailableError(RuntimeError):
+    """A request could not be served: its replicas kept dying past the retry budget,
+    or no replica came up in time. The HTTP layer answers 503."""

@@ -1,0 +1,190 @@
+"""The engine replica as a Ray Serve deployment: one ``AsyncEngine`` per replica actor.
+
+Tokens stream back through Serve's streaming responses (``generate`` is an async
+generator; callers use ``handle.options(stream=True)``). A caller that goes away cancels
+the generator, which aborts the request and frees its blocks. Alongside, a publisher
+task reports KV events + load to the router actor: at most one message in flight,
+every step finished meanwhile folded into the next, a heartbeat when idle, and a fresh
+registration with a snapshot of the cache whenever the router does not know this
+replica (first start, router restart) or saw a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.messages import GenerateRequest, ReplicaCall
+from kvroute.cluster.publisher import EventPublisher
+from kvroute.cluster.router_actor import get_or_create_router_actor
+from kvroute.replica.kv_events import KVEvents
+from kvroute.replica.outputs import TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    async def __init__(self, config: ClusterConfig) -> None:
+        import torch
+
+        from kvroute.replica.async_engine import AsyncEngine
+        from kvroute.replica.engine import Engine
+
+        torch.set_num_threads(config.torch_threads_per_replica)
+        self.config = config
+        self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        engine_config = dataclasses.replace(config.engine, replica_id=self.replica_id)
+        engine = await asyncio.to_thread(Engine, engine_config)
+        if engine.hash_spec != config.hash_spec:
+            raise ValueError(f"engine hash spec {engine.hash_spec} differs from the cluster's {config.hash_spec}")
+        self.engine = AsyncEngine(engine)
+        self.publisher = EventPublisher(self.replica_id)
+        self.engine.add_event_listener(self._on_events)
+        self._changed = asyncio.Event()
+        self._closing = False
+        self._registered = False
+        self._router = get_or_create_router_actor(
+            config.router_actor_name,
+            config.hash_spec,
+            config.router_policy,
+            config.router_policy_kwargs,
+            config.replica_timeout_s,
+        )
+        self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
+        await self._register()  # traffic routed by the directory can come at once
+        self._publisher_task = asyncio.get_running_loop().create_task(self._publish_loop())
+
+    # ------------------------------------------------------------------ serving
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        async for delta in self.engine.generate(
+            request.token_ids,
+            request.params,
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+            resume_output=request.resume_output,
+        ):
+            yield delta
+
+    async def debug_state(self, call: ReplicaCall) -> dict[str, Any]:
+        """This replica's exact cache and block state (for tests and operators)."""
+        assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
+        engine = self.engine.engine
+
+        def read() -> dict[str, Any]:
+            stats = engine.stats()
+            return {
+                "replica_id": self.replica_id,
+                "cached_block_hashes": engine.cached_block_hashes(),
+                "blocks_in_use": sum(1 for c in stats.block_ref_counts if c > 0),
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_free_blocks": stats.num_free_blocks,
+                "num_kv_blocks": stats.num_kv_blocks,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
+                "num_preemptions": stats.num_preemptions,
+                "publisher_seq": self.publisher.seq,
+                **self.counters,
+            }
+
+        return await self.engine.between_steps(read)
+
+    async def check_health(self) -> None:
+        if self.engine.failure is not None:
+            raise RuntimeError(f"engine step loop died: {self.engine.failure!r}")
+
+    async def __del__(self) -> None:
+        """Graceful shutdown (Serve calls this after draining): leave the directory."""
+        self._closing = True
+        self._changed.set()
+        try:
+            await asyncio.wait_for(self._router.remove_replica.remote(self.replica_id), timeout=2.0)
+        except Exception as exc:  # the router may be gone too; it expires silent replicas
+            log.warning("replica %s could not unregister from the router: %r", self.replica_id, exc)
+
+    # ------------------------------------------------------------------ events
+    def _on_events(self, events: KVEvents) -> None:
+        self.publisher.add(events)
+        if self.publisher.has_changes:
+            self._changed.set()
+
+    async def _register(self) -> None:
+        engine = self.engine.engine
+
+        def snapshot() -> tuple[list, int, Any]:
+            return engine.cached_block_hashes(), self.publisher.snapshot_seq(), engine.load()
+
+        hashes, seq, load = await self.engine.between_steps(snapshot)
+        await self._router.register.remote(
+            self.replica_id, engine.hash_spec, engine.kv.num_blocks, hashes, seq, load
+        )
+        self._registered = True
+        self.counters["registrations"] += 1
+
+    async def _publish_loop(self) -> None:
+        while not self._closing:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=self.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass  # heartbeat: the router learns this replica is alive
+            self._changed.clear()
+            if self._closing:
+                return
+            try:
+                if not self._registered:
+                    await self._register()
+                    continue
+                ok = await self._router.push.remote(self.publisher.take())
+                self.counters["pushes"] += 1
+                if not ok:  # unknown to the router (it restarted) or a gap: resend everything
+                    self._registered = False
+                    self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # router down or restarting: register again when it is back
+                self._registered = False
+                self.counters["push_failures"] += 1
+                log.info("replica %s: router unreachable (%r); retrying", self.replica_id, exc)
+                await asyncio.sleep(min(self.config.heartbeat_s, 0.2))
+
+
+def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
+    if config.request_router == "kvroute":
+        from kvroute.cluster.request_router import KVRouteRequestRouter
+
+        return RequestRouterConfig(
+            request_router_class=KVRouteRequestRouter,
+            request_router_kwargs={
+                "router_actor_name": config.router_actor_name,
+                "timeout_s": config.router_timeout_s,
+            },
+        )
+    if config.request_router == "prefix_affinity_ray":
+        return RequestRouterConfig(request_router_class="ray.serve.llm.request_router.PrefixCacheAffinityRouter")
+    return RequestRouterConfig()  # Serve's default: power of two choices
+
+
+def build_engine_deployment(config: ClusterConfig) -> serve.Application:
+    """The replica deployment bound to ``config`` (run it with ``serve.run``)."""
+    options: dict[str, Any] = {
+        "name": config.deployment_name,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "ray_actor_options": {"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
+        "request_router_config": request_router_config(config),
+    }
+    if config.autoscaling_config is not None:
+        options["autoscaling_config"] = config.autoscaling_config
+    else:
+        options["num_replicas"] = config.num_replicas
+    # Replicas get the config with the scaling fields neutral: a change of replica count
+    # must not look like new code to Serve (which would replace every replica).
+    replica_config = dataclasses.replace(config, num_replicas=1, autoscaling_config=None)
+    return serve.deployment(EngineReplica).options(**options).bind(replica_config)

@@ -1,0 +1,167 @@
+"""Ray Serve request router that asks the application's router actor for a ranking.
+
+Runs inside every process that holds a handle to the replica deployment (the HTTP
+ingress, a benchmark job, a test driver). For a ``GenerateRequest`` it sends the block
+hashes the caller computed to the router actor and returns one rank per replica, best
+first; Serve then probes them in that order, so a replica at ``max_ongoing_requests``
+is skipped for the next one. When the router actor cannot answer in time (not started
+yet, restarting, dead) it falls back to power of two choices, counts it, and logs it;
+requests never fail because of the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict
+from typing import Any, List, Optional
+
+import ray
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError
+
+log = logging.getLogger(__name__)
+
+_FALLBACK_LOG_EVERY_S = 10.0
+_MAX_REMEMBERED_RANKINGS = 10_000
+
+
+def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, kind):
+            return arg
+    return None
+
+
+class KVRouteRequestRouter(RequestRouter):
+    """No FIFOMixin on purpose: with it Serve hands the replica chosen for one request
+    to the oldest pending one, which would undo every per-request (prefix) decision."""
+
+    def initialize_state(self, router_actor_name: str = "", timeout_s: float = 1.0, **_: Any) -> None:
+        self._actor_name = router_actor_name
+        self._timeout_s = timeout_s
+        self._actor: Optional[ray.actor.ActorHandle] = None
+        # internal request id -> ranking: a request that Serve re-routes (every ranked
+        # replica was full) reuses its ranking instead of asking (and counting) again.
+        self._rankings: OrderedDict[str, list[str]] = OrderedDict()
+        self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0}
+        self._last_fallback_log = float("-inf")
+        self._fallback_counter = None
+        try:
+            from ray.util.metrics import Counter
+
+            self._fallback_counter = Counter(
+                "kvroute_router_fallbacks", description="Routing decisions made without the router actor"
+            )
+        except Exception:  # metrics are best effort (no metrics agent in some processes)
+            pass
+
+    # ------------------------------------------------------------------ routing
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        call = _arg_of(pending_request, ReplicaCall)
+        if call is not None:  # addressed to one replica
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == call.replica_id]
+            if not target and not pending_request.future.done():
+                # Fail the call now: an empty rank would keep this routing task (and the
+                # requests queued behind it) retrying forever.
+                pending_request.future.set_exception(
+                    ReplicaUnavailableError(f"replica {call.replica_id} is not a running replica of this deployment")
+                )
+            return [target] if target else []
+        request = _arg_of(pending_request, GenerateRequest)
+        if request is None:
+            return self._power_of_two(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = pending_request.metadata.internal_request_id
+        ranking = self._rankings.get(key)
+        if ranking is not None:
+            self.stats["reused_rankings"] += 1
+        else:
+            try:
+                ranking = await self._rank(request, list(by_id))
+            except Exception as exc:
+                self._note_fallback(exc)
+                return self._power_of_two(candidate_replicas)
+            self._rankings[key] = ranking
+            if len(self._rankings) > _MAX_REMEMBERED_RANKINGS:
+                self._rankings.popitem(last=False)
+        ranks = [[by_id[rid]] for rid in ranking if rid in by_id]
+        return ranks or self._power_of_two(candidate_replicas)
+
+    async def _rank(self, request: GenerateRequest, candidates: list[str]) -> list[str]:
+        if self._actor is None:
+            self._actor = await asyncio.wait_for(
+                asyncio.to_thread(ray.get_actor, self._actor_name, namespace=ROUTER_NAMESPACE), self._timeout_s
+            )
+        ref = self._actor.rank.remote(request.block_hashes, request.num_tokens, candidates)
+        try:
+            ranking = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
+        except asyncio.TimeoutError:
+            ray.cancel(ref)
+            raise
+        self.stats["ranked"] += 1
+        return ranking.replica_ids
+
+    def _power_of_two(self, candidates: List[RunningReplica]) -> List[List[RunningReplica]]:
+        # Serve probes both and takes the shorter queue.
+        return [random.sample(candidates, min(2, len(candidates)))]
+
+    def _note_fallback(self, exc: BaseException) -> None:
+        self.stats["fallbacks"] += 1
+        if isinstance(exc, ValueError):  # ray.get_actor: no such actor (yet)
+            self._actor = None
+        if self._fallback_counter is not None:
+            try:
+                self._fallback_counter.inc()
+            except Exception:
+                pass
+        now = time.monotonic()
+        if now - self._last_fallback_log >= _FALLBACK_LOG_EVERY_S:
+            self._last_fallback_log = now
+            log.warning(
+                "kvroute router actor %r unavailable (%r): routing by power of two choices "
+                "(%d fallbacks so far)",
+                self._actor_name,
+                exc,
+                self.stats["fallbacks"],
+            )
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        self._rankings.pop(pending_request.metadata.internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        gone = {rid.unique_id for rid in self._replica_id_set} - {r.replica_id.unique_id for r in replicas}
+        super().update_replicas(replicas)
+        for uid in gone:
+            self._forget(uid)
+
+    def _forget(self, replica_unique_id: str) -> None:
+        """Drop a dead or removed replica from the directory at once (fire and forget:
+        this hook is synchronous; the router also expires silent replicas itself)."""
+        if self._actor is not None:
+            try:
+                self._actor.remove_replica.remote(replica_unique_id)
+            except Exception:
+                pass

@@ -1,0 +1,163 @@
+"""The router actor: one named Ray actor per application around a plain ``Router``.
+
+``RouterService`` holds the state and is what tests build without Ray; ``RouterActor``
+is it as a Ray actor (``max_restarts=-1``: a killed router comes back empty and is
+refilled by the replicas' snapshots, since every replica reports at least once per
+heartbeat and re-registers when the router does not know it).
+
+Replicas ``register`` (with their HashSpec: a mismatch is refused) and then ``push``
+coalesced KV events; the Serve request router calls ``rank`` per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import ray
+
+from kvroute.replica.block_hash import BlockHash, HashSpec
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router.router import Router
+
+from kvroute.cluster.messages import ROUTER_NAMESPACE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Candidates best first. ``replica_ids[0]`` is the router's decision (its blocks
+    are recorded as pending there); the rest are fallbacks in order of load."""
+
+    replica_ids: list[str]
+    expected_cached_tokens: int
+    reason: str
+
+
+class RouterService:
+    def __init__(
+        self,
+        hash_spec: HashSpec,
+        policy: str = "kvroute",
+        policy_kwargs: dict[str, Any] | None = None,
+        replica_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.hash_spec = hash_spec
+        self.router = Router(policy, hash_spec.block_size, clock=clock, **(policy_kwargs or {}))
+        self.replica_timeout_s = replica_timeout_s
+        self.clock = clock
+        self._last_seen: dict[str, float] = {}
+        self._next_expiry_check = 0.0
+        self.started_at = clock()
+        self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
+
+    # ------------------------------------------------------------------ replicas
+    def register(
+        self,
+        replica_id: str,
+        hash_spec: HashSpec,
+        capacity_blocks: int,
+        block_hashes: Sequence[BlockHash],
+        seq: int,
+        load: LoadFigures | None = None,
+    ) -> None:
+        """Add (or refresh) a replica with a snapshot of its cache as of event ``seq``."""
+        if hash_spec != self.hash_spec:
+            raise ValueError(
+                f"replica {replica_id} hashes blocks with {hash_spec}, but this router expects "
+                f"{self.hash_spec}: every replica of an application must use the same model, "
+                "block_size and hash_seed"
+            )
+        if replica_id not in self.router.directory:
+            self.router.add_replica(replica_id, capacity_blocks)
+        self.router.apply_snapshot(replica_id, block_hashes, seq, load)
+        self._last_seen[replica_id] = self.clock()
+        self.counters["registrations"] += 1
+
+    def push(self, batch: KVEvents) -> bool:
+        """Apply one coalesced batch. False: the router does not know this replica or
+        saw a gap in its ``seq``; the replica must ``register`` again with a snapshot."""
+        rid = batch.replica_id
+        if rid not in self.router.directory:
+            return False
+        self._last_seen[rid] = self.clock()
+        return self.router.apply(batch)
+
+    def remove_replica(self, replica_id: str) -> bool:
+        self._last_seen.pop(replica_id, None)
+        if replica_id not in self.router.directory:
+            return False
+        self.router.remove_replica(replica_id)
+        self.counters["removed_replicas"] += 1
+        return True
+
+    def _expire_silent(self) -> None:
+        now = self.clock()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + min(1.0, self.replica_timeout_s / 4)
+        for rid, seen in list(self._last_seen.items()):
+            if now - seen > self.replica_timeout_s:
+                log.warning("replica %s silent for %.1f s: dropped from the directory", rid, now - seen)
+                self.remove_replica(rid)
+                self.counters["expired_replicas"] += 1
+
+    # ------------------------------------------------------------------ routing
+    def rank(self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str]) -> Ranking:
+        """Order ``candidates`` for one request; unknown candidates (not registered yet,
+        e.g. a replica that just started) go last, in random order."""
+        self._expire_silent()
+        known = [c for c in candidates if c in self.router.directory]
+        unknown = [c for c in candidates if c not in self.router.directory]
+        random.shuffle(unknown)
+        if not known:
+            self.counters["unregistered_routes"] += 1
+            return Ranking(unknown, 0, "unregistered")
+        decision = self.router.route(block_hashes, num_tokens, known)
+        rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
+        return Ranking([decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason)
+
+    # ------------------------------------------------------------------ introspection
+    def replicas(self) -> list[str]:
+        return list(self.router.replicas())
+
+    def directory(self, replica_id: str) -> list[BlockHash]:
+        """The hashes the directory holds for ``replica_id`` as confirmed by its events."""
+        return [BlockHash(h) for h in self.router.directory.confirmed(replica_id)]
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.router.stats(), **self.counters, "uptime_s": self.clock() - self.started_at}
+
+    def ping(self) -> bool:
+        return True
+
+
+RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)
+
+
+def get_or_create_router_actor(
+    name: str,
+    hash_spec: HashSpec,
+    policy: str,
+    policy_kwargs: dict[str, Any],
+    replica_timeout_s: float,
+) -> ray.actor.ActorHandle:
+    """The application's router actor, created on first use (detached: its life is the
+    application's, not the caller's; ``kill_router_actor`` ends it)."""
+    return RouterActor.options(
+        name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(hash_spec, policy, policy_kwargs, replica_timeout_s)
+
+
+def kill_router_actor(name: str) -> bool:
+    try:
+        actor = ray.get_actor(name, namespace=ROUTER_NAMESPACE)
+    except ValueError:
+        return False
+    ray.kill(actor, no_restart=True)
+    return True

@@ -1,0 +1,107 @@
+"""The plain objects inside the Ray shells: event coalescing and the router service."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.cluster.publisher import EventPublisher
+from kvroute.cluster.router_actor import RouterService
+from kvroute.replica.block_hash import BlockHash, HashSpec
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+
+SPEC = HashSpec(4, 123, "m")
+
+
+def _replay(state: set[int], ev: KVEvents) -> set[int]:
+    if ev.cleared:
+        state = set()
+    state = state - set(ev.removed)
+    return state | set(ev.stored)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_coalesced_batches_replay_to_the_same_cache(seed):
+    """Folding any run of step batches into one message gives the same cache state as
+    applying them one by one, and messages are numbered 1, 2, 3, ..."""
+    rng = random.Random(seed)
+    pub = EventPublisher("r")
+    truth: set[int] = set()
+    seen: set[int] = set()
+    step_seq = 0
+    for _ in range(30):
+        for _ in range(rng.randint(1, 5)):
+            cleared = rng.random() < 0.05
+            base = set() if cleared else truth
+            removed = rng.sample(sorted(base), k=min(len(base), rng.randint(0, 3)))
+            stored = [h for h in rng.sample(range(40), k=rng.randint(0, 4)) if h not in removed]
+            step_seq += 1
+            ev = KVEvents("r", step_seq, stored, removed, cleared, LoadFigures(num_running=step_seq))
+            truth = _replay(truth, ev)
+            pub.add(ev)
+        msg = pub.take()
+        assert msg.seq == pub.seq and not set(msg.stored) & set(msg.removed)
+        assert msg.load == LoadFigures(num_running=step_seq)
+        seen = _replay(seen, msg)
+        assert seen == truth
+
+
+def test_heartbeat_and_snapshot_numbering():
+    pub = EventPublisher("r")
+    assert not pub.has_changes
+    beat = pub.take()
+    assert (beat.seq, beat.empty) == (1, True)
+    pub.add(KVEvents("r", 1, [BlockHash(5)], [], False, None))
+    assert pub.has_changes
+    assert pub.snapshot_seq() == 1  # the pending change is part of the snapshot
+    assert not pub.has_changes and pub.take().seq == 2
+
+
+def _service(clock=None) -> RouterService:
+    t = [0.0]
+    svc = RouterService(SPEC, "kvroute", replica_timeout_s=5.0, clock=clock or (lambda: t[0]))
+    svc._t = t  # type: ignore[attr-defined]
+    return svc
+
+
+def test_register_refuses_a_different_hash_spec():
+    svc = _service()
+    with pytest.raises(ValueError, match="must use the same model, block_size and hash_seed"):
+        svc.register("a", HashSpec(4, 124, "m"), 10, [], 0)
+    assert svc.replicas() == []
+
+
+def test_push_from_unknown_or_gapped_replica_asks_for_a_snapshot():
+    svc = _service()
+    assert svc.push(KVEvents("a", 1, [BlockHash(1)])) is False  # unknown: register first
+    svc.register("a", SPEC, 10, [BlockHash(9)], 3)
+    assert svc.push(KVEvents("a", 4, [BlockHash(1)])) is True
+    assert sorted(svc.directory("a")) == [1, 9]
+    assert svc.push(KVEvents("a", 6, [BlockHash(2)])) is False  # seq 5 was lost
+    svc.register("a", SPEC, 10, [BlockHash(1), BlockHash(2)], 6)  # the snapshot heals it
+    assert sorted(svc.directory("a")) == [1, 2]
+    assert svc.push(KVEvents("a", 7, [], [BlockHash(1)])) is True
+    assert svc.directory("a") == [2]
+
+
+def test_rank_puts_the_prefix_holder_first_and_unregistered_last():
+    svc = _service()
+    svc.register("a", SPEC, 100, [], 0)
+    svc.register("b", SPEC, 100, [BlockHash(11), BlockHash(12)], 0)
+    r = svc.rank([BlockHash(11), BlockHash(12)], 9, ["a", "new", "b"])
+    assert r.replica_ids == ["b", "a", "new"] and r.expected_cached_tokens == 8 and r.reason == "prefix"
+    only_new = svc.rank([BlockHash(11)], 5, ["new"])
+    assert only_new.replica_ids == ["new"] and only_new.reason == "unregistered"
+
+
+def test_silent_replicas_expire_and_removal_is_idempotent():
+    svc = _service()
+    svc.register("a", SPEC, 10, [BlockHash(1)], 0)
+    svc.register("b", SPEC, 10, [], 0)
+    svc._t[0] = 3.0  # type: ignore[attr-defined]
+    svc.push(KVEvents("b", 1))
+    svc._t[0] = 6.0  # type: ignore[attr-defined]
+    svc.rank([], 1, ["a", "b"])
+    assert svc.replicas() == ["b"] and svc.counters["expired_replicas"] == 1
+    assert svc.remove_replica("b") is True and svc.remove_replica("b") is False
