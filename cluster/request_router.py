@@ -78,13 +78,19 @@ class KVRouteRequestRouter(RequestRouter):
         call = _arg_of(pending_request, ReplicaCall)
         if call is not None:  # addressed to one replica
             target = [r for r in candidate_replicas if r.replica_id.unique_id == call.replica_id]
-            if not target and not pending_request.future.done():
-                # Fail the call now: an empty rank would keep this routing task (and the
-                # requests queued behind it) retrying forever.
-                pending_request.future.set_exception(
-                    ReplicaUnavailableError(f"replica {call.replica_id} is not a running replica of this deployment")
-                )
-            return [target] if target else []
+            if not target:
+                # Fail the call now and end its routing task: an empty rank would keep
+                # the task retrying forever, holding a slot the requests behind it need.
+                if not pending_request.future.done():
+                    pending_request.future.set_exception(
+                        ReplicaUnavailableError(f"replica {call.replica_id} is not a running replica of this deployment")
+                    )
+                # (Serve will not cancel the task it is running in; it ends at its next await.)
+                task = asyncio.current_task()
+                if task is not None:
+                    task.cancel()
+                return []
+            return [target]
         request = _arg_of(pending_request, GenerateRequest)
         if request is None:
             return self._power_of_two(candidate_replicas)

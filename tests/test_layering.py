@@ -60,3 +60,11 @@ def test_replica_imports_only_kernels_of_ours():
     for mod, files in _imports("replica").items():
         if mod.startswith("kvroute."):
             assert mod.startswith(("kvroute.replica", "kvroute.kernels")), (mod, files)
+
+
+def test_caller_side_cluster_code_imports_without_torch():
+    """The client and the Serve request router run in every caller (HTTP ingress,
+    benchmark jobs): they must not drag torch in."""
+    code = "import sys, kvroute.cluster.client, kvroute.cluster.request_router, kvroute.cluster.router_actor; " \
+        "assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

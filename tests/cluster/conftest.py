@@ -18,7 +18,9 @@ def ray_cluster():
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     serve.start(proxy_location="Disabled")
     yield
-    serve.shutdown()
+    # Not serve.shutdown(): it waits for every handle's router in this process, and a
+    # test that killed replicas or the router actor can leave one waiting. Ending the
+    # Ray session ends Serve with it.
     ray.shutdown()
 
 

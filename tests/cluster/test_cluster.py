@@ -61,20 +61,31 @@ def _tokens(deltas) -> list[int]:
 
 def _settle(router, config, timeout_s: float = 30.0) -> dict[str, dict]:
     """Wait until every replica is idle and the directory equals the union of their caches."""
+    why = ["nothing checked yet"]
+
     def check():
         client = _client(config)
         try:  # a replica that just started may not be routable from this handle yet
             states = {rid: asyncio.run(client.debug_state(rid, 5.0)) for rid in ray.get(router.replicas.remote())}
-        except ReplicaUnavailableError:
+        except ReplicaUnavailableError as exc:
+            why[0] = repr(exc)
             return None
-        if any(s["num_running"] or s["num_waiting"] for s in states.values()):
+        busy = {rid: (s["num_running"], s["num_waiting"]) for rid, s in states.items() if s["num_running"] or s["num_waiting"]}
+        if busy:
+            why[0] = f"busy replicas {busy}"
             return None
         for rid, s in states.items():
-            if set(ray.get(router.directory.remote(rid))) != set(s["cached_block_hashes"]):
+            held = set(ray.get(router.directory.remote(rid)))
+            cached = set(s["cached_block_hashes"])
+            if held != cached:
+                why[0] = f"{rid}: directory has {len(held - cached)} extra, misses {len(cached - held)}"
                 return None
         return states
 
-    return wait_until(check, timeout_s, "the directory to match the replicas' caches", interval_s=0.2)
+    try:
+        return wait_until(check, timeout_s, "the directory to match the replicas' caches", interval_s=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last: {why[0]}") from None
 
 
 def test_shared_prefix_lands_on_its_holder_and_unrelated_requests_spread(app):
