@@ -73,6 +73,10 @@ class KVRouteRequestRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Without this Serve retries an unanswered round at once, without awaiting
+            # anything: an empty answer would spin the router's event loop.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         call = _arg_of(pending_request, ReplicaCall)
