@@ -137,8 +137,11 @@ class KVRouteClient:
                 self.stats["resumes"] += 1
                 await asyncio.sleep(self.retry_backoff_s * attempt)
             finally:
-                if not finished:
-                    response.cancel()  # the caller left (or the replica died): stop the work there
+                if not finished:  # the caller left (or the replica died): stop the work there
+                    try:
+                        response.cancel()
+                    except Exception:  # a response that already failed re-raises its error here
+                        pass
 
     async def complete(self, token_ids: Sequence[int], params: SamplingParams, **kwargs: Any) -> list[TokenDelta]:
         """Every delta of one request (convenience for tests and batch jobs)."""
