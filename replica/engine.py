@@ -121,13 +121,11 @@ class Engine:
         if not ids:
             raise ValueError("prompt must not be empty (got 0 tokens)")
         vocab = self.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         resumed = [int(t) for t in resume_output]
-        bad = [t for t in resumed if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"resume_output token ids must be in [0, {vocab}); got {bad[:5]}")
+        for what, tokens in (("prompt", ids), ("resume_output", resumed)):
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} token ids must be in [0, {vocab}); got {bad[:5]}")
         if len(resumed) >= params.max_tokens:
             raise ValueError(
                 f"resume_output has {len(resumed)} tokens; it must be shorter than max_tokens={params.max_tokens}"

@@ -72,14 +72,26 @@ class KVRoutePolicy(Policy):
             raise ValueError(f"fill_slack must be in [0, 1], got {fill_slack!r}")
         self.fill_slack = float(fill_slack)
 
-    def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int) -> float:
-        """Seconds until the first token of a request needing ``uncached_tokens`` of prefill."""
+    def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
+        """(prefill tokens/s, decode step s) assumed for a replica not measured yet: the
+        mean of its measured peers (fleets are homogeneous), or the configured defaults
+        before any measurement."""
+        rates = [ld.prefill_tokens_per_s for ld in loads if ld.prefill_tokens_per_s]
+        steps = [ld.decode_step_s for ld in loads if ld.decode_step_s]
+        return (
+            sum(rates) / len(rates) if rates else self.default_prefill_tokens_per_s,
+            sum(steps) / len(steps) if steps else self.default_decode_step_s,
+        )
+
+    def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: list[ReplicaLoad] = ()) -> float:
+        """Seconds until the first token of a request needing ``uncached_tokens`` of
+        prefill; ``peers`` (the other candidates) supply the rates ``load`` lacks."""
+        default_rate, default_step = self.fallback_rates([load, *peers])
         work = load.queued_prefill_tokens + uncached_tokens
-        rate = load.prefill_tokens_per_s or self.default_prefill_tokens_per_s
-        t = work / rate
+        t = work / (load.prefill_tokens_per_s or default_rate)
         if load.num_running:
             steps = -(-work // self.step_tokens)
-            t += steps * (load.decode_step_s or self.default_decode_step_s)
+            t += steps * (load.decode_step_s or default_step)
         return t
 
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
@@ -90,12 +102,7 @@ class KVRoutePolicy(Policy):
         n = request.num_tokens
         cap = max(n - 1, 0)
         loads = [load_of(r) for r in cands]
-        # A replica not measured yet is assumed as fast as its measured peers (fleets
-        # are homogeneous); the configured defaults only apply before any measurement.
-        rates = [ld.prefill_tokens_per_s for ld in loads if ld.prefill_tokens_per_s]
-        steps = [ld.decode_step_s for ld in loads if ld.decode_step_s]
-        default_rate = sum(rates) / len(rates) if rates else self.default_prefill_tokens_per_s
-        default_step = sum(steps) / len(steps) if steps else self.default_decode_step_s
+        default_rate, default_step = self.fallback_rates(loads)
         step_tokens = self.step_tokens
         rows = []
         best = float("inf")

@@ -120,3 +120,15 @@ def test_a_new_prefix_goes_where_the_cache_has_room():
     router.apply_snapshot("empty", [], seq=1)
     d = router.route(hash_blocks(HashSpec(16), list(range(5000, 5064))), 64)
     assert (d.replica_id, d.reason) == ("empty", "cold")
+
+
+def test_unmeasured_replica_borrows_its_peers_rate():
+    """A fresh replica is as fast as its measured peers, not the (GPU-sized) default:
+    otherwise it looks 100x faster and pulls the request off its prefix holder."""
+    slow = ReplicaLoad(prefill_tokens_per_s=100.0)
+    view = View({"a": 60}, {"a": slow})  # a holds 960 of 1034 tokens; b is unmeasured
+    d = choose(view, cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    p = KVRoutePolicy()
+    assert p.predict_ttft(ReplicaLoad(), 1000, [slow]) == pytest.approx(10.0)
+    assert p.predict_ttft(ReplicaLoad(), 1000) == pytest.approx(1000 / p.default_prefill_tokens_per_s)
