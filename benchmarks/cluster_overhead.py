@@ -30,7 +30,7 @@ import ray
 
 from kvroute.benchmarks.common import write_result
 from kvroute.cluster.router_actor import RouterActor
-from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks, root_hash
+from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks
 from kvroute.replica.kv_events import LoadFigures
 
 BLOCK = 16
@@ -50,7 +50,7 @@ def _router_part(args: argparse.Namespace) -> dict[str, Any]:
         hashes: list[BlockHash] = []
         for c in range(args.cached_blocks // 64):
             toks = [rng.randrange(50_000) for _ in range(64 * BLOCK)]
-            chain = hash_blocks(spec, toks, parent=root_hash(spec, None))
+            chain = hash_blocks(spec, toks)
             hashes.extend(chain)
             chains.append(chain)
         load = LoadFigures(num_running=4, prefill_tokens_per_s=20_000.0, decode_step_s=0.02)

@@ -22,7 +22,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError
-from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks, root_hash
+from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
 
@@ -33,12 +33,6 @@ class _StreamCut(Exception):
 
 
 _REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError, _StreamCut)
-
-
-def prompt_block_hashes(spec: HashSpec, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
-    """The hashes of the prompt's full blocks, exactly as the replica's engine computes them."""
-    full = len(token_ids) // spec.block_size * spec.block_size
-    return hash_blocks(spec, token_ids[:full], parent=root_hash(spec, cache_salt))
 
 
 class KVRouteClient:
@@ -81,7 +75,7 @@ class KVRouteClient:
         if not ids:
             raise ValueError("prompt must not be empty (got 0 tokens)")
         rid = RequestId(request_id or uuid.uuid4().hex)
-        hashes = prompt_block_hashes(self.hash_spec, ids, cache_salt)
+        hashes = hash_blocks(self.hash_spec, ids, cache_salt)  # full blocks, as the engine hashes them
         if prompt is None and messages is None:
             prompt = " ".join(map(str, ids))  # text stand-in for text-matching routers
         streamed: list[int] = []

@@ -32,8 +32,6 @@ class GenerateRequest:
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    # Replica ids (Serve unique ids) this request must not go to (it died there).
-    avoid: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -58,7 +58,3 @@ class EventPublisher:
         so they are dropped, and the next batch follows the snapshot's ``seq``."""
         self._stored, self._removed, self._cleared = {}, {}, False
         return self.seq
-
-    @property
-    def load(self) -> LoadFigures | None:
-        return self._load

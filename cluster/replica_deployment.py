@@ -49,13 +49,7 @@ class EngineReplica:
         self._changed = asyncio.Event()
         self._closing = False
         self._registered = False
-        self._router = get_or_create_router_actor(
-            config.router_actor_name,
-            config.hash_spec,
-            config.router_policy,
-            config.router_policy_kwargs,
-            config.replica_timeout_s,
-        )
+        self._router = get_or_create_router_actor(config)
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
         await self._register()  # traffic routed by the directory can come at once
         self._publisher_task = asyncio.get_running_loop().create_task(self._publish_loop())

@@ -23,6 +23,7 @@ from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.router.router import Router
 
+from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import ROUTER_NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -133,25 +134,16 @@ class RouterService:
     def stats(self) -> dict[str, Any]:
         return {**self.router.stats(), **self.counters, "uptime_s": self.clock() - self.started_at}
 
-    def ping(self) -> bool:
-        return True
-
 
 RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)
 
 
-def get_or_create_router_actor(
-    name: str,
-    hash_spec: HashSpec,
-    policy: str,
-    policy_kwargs: dict[str, Any],
-    replica_timeout_s: float,
-) -> ray.actor.ActorHandle:
+def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:
     """The application's router actor, created on first use (detached: its life is the
     application's, not the caller's; ``kill_router_actor`` ends it)."""
     return RouterActor.options(
-        name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
-    ).remote(hash_spec, policy, policy_kwargs, replica_timeout_s)
+        name=config.router_actor_name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(config.hash_spec, config.router_policy, config.router_policy_kwargs, config.replica_timeout_s)
 
 
 def kill_router_actor(name: str) -> bool:

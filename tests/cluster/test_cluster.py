@@ -14,11 +14,12 @@ from tests.cluster.conftest import tiny_engine, wait_until
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.client import KVRouteClient, prompt_block_hashes  # noqa: E402
+from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.messages import ROUTER_NAMESPACE, OverloadedError, ReplicaUnavailableError  # noqa: E402
 from kvroute.cluster.replica_deployment import build_engine_deployment  # noqa: E402
 from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.replica.block_hash import hash_blocks  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
 
 APP = "kvtest"
@@ -103,7 +104,7 @@ def test_shared_prefix_lands_on_its_holder_and_unrelated_requests_spread(app):
     # Every follow-up is served where the 256-token prefix lives: all of it is cached.
     assert [r[-1].num_cached_tokens for r in rest] == [len(PREFIX)] * 5
     states = _settle(router, config)
-    holders = [rid for rid, s in states.items() if set(prompt_block_hashes(config.hash_spec, PREFIX)) <= set(s["cached_block_hashes"])]
+    holders = [rid for rid, s in states.items() if set(hash_blocks(config.hash_spec, PREFIX)) <= set(s["cached_block_hashes"])]
     assert len(holders) == 1
 
     async def unrelated():
