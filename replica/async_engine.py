@@ -4,13 +4,16 @@ runs in a worker thread, so the event loop is never blocked by a forward pass.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 from typing import AsyncIterator, Sequence
 
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.request import Request
+from kvroute.replica.request_metrics import EngineMetrics
 from kvroute.replica.sampling_params import SamplingParams
 
 
@@ -34,6 +37,7 @@ class AsyncEngine:
         self.last_events = None  # the latest KVEvents, for whoever publishes them
         self._event_listeners: list = []
         self._step_lock: asyncio.Lock | None = None
+        self.metrics = EngineMetrics()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -60,18 +64,27 @@ class AsyncEngine:
         self._to_add.append(req)
         self._ensure_loop()
         finished = False
+        arrival = last = time.monotonic()
+        first_token = True
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                now = time.monotonic()
+                if item.token_ids:
+                    self.metrics.on_token(now - arrival, None if first_token else now - last, len(item.token_ids))
+                    first_token, last = False, now
                 if item.finish_reason is not None:
-                    finished = True
+                    finished = True  # before the yield: a caller may close after the last delta
+                    self.metrics.on_finish(item.finish_reason, now - arrival, item.num_prompt_tokens)
+                yield item
+                if finished:
                     return
         finally:
             self._queues.pop(rid, None)
             if not finished:
+                self.metrics.finished["abort"] = self.metrics.finished.get("abort", 0) + 1
                 self._to_abort.append(rid)
                 self._ensure_loop()
 
@@ -93,6 +106,17 @@ class AsyncEngine:
         if self._step_lock is None:
             self._step_lock = asyncio.Lock()
         return self._step_lock
+
+    async def metrics_report(self) -> dict:
+        """Engine figures (gauges and counters, as of a step boundary) and the request
+        latency histograms, as one JSON-able dict."""
+
+        def read() -> dict:
+            stats = dataclasses.asdict(self.engine.stats(with_ref_counts=False))
+            stats.pop("block_ref_counts")
+            return {"engine": stats, **self.metrics.report()}
+
+        return await self.between_steps(read)
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

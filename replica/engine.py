@@ -257,7 +257,8 @@ class Engine:
     def load(self) -> LoadFigures:
         return self.telemetry.load()
 
-    def stats(self) -> EngineStats:
+    def stats(self, with_ref_counts: bool = True) -> EngineStats:
+        """``with_ref_counts=False`` skips the O(num_blocks) per-block ref counts."""
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
@@ -272,7 +273,7 @@ class Engine:
             prefill_tokens_per_s=self.telemetry.prefill_tokens_per_s,
             decode_step_s=self.telemetry.decode_step_s,
             max_batch_size=s.max_batch_size,
-            block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks],
+            block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks] if with_ref_counts else [],
         )
 
     def cached_block_hashes(self) -> list[BlockHash]:

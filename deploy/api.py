@@ -1,0 +1,213 @@
+"""The FastAPI application both hosts serve: OpenAI routes over an ``OpenAIServing``,
+the API key check, the body-size cap, the error envelope, and client-disconnect aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any, Awaitable, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvroute.deploy.errors import APIError, error_body
+from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvroute.deploy.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+MetricsProvider = Callable[[], Awaitable[tuple[bytes, str]]]
+
+
+def build_api(
+    serving: OpenAIServing,
+    metrics: MetricsProvider,
+    extra_routes: Optional[Callable[[FastAPI], None]] = None,
+) -> FastAPI:
+    """The ASGI app. ``metrics()`` returns (body, content type) for ``GET /metrics``;
+    ``extra_routes(app)`` adds host-specific routes."""
+    limits = serving.limits
+    app = FastAPI(title="kvroute", version="0.1.0", docs_url=None, redoc_url=None)
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(exc), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await serving.backend.ready():
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "no replica is ready"), status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = await metrics()
+        return Response(body, media_type=content_type)
+
+    if extra_routes is not None:
+        extra_routes(app)
+
+    app.add_middleware(_Guard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes)
+    return app
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Run ``work`` until it finishes or the client disconnects (then it is cancelled,
+    which aborts every engine request it started)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)  # nobody reads it: the client is gone
+    result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    # StreamingResponse cancels the iterator when the client disconnects mid-stream.
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
+    errors = exc.errors()
+    if not errors:
+        return error_body(400, "invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return error_body(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        message = f"{param} is required"
+    else:
+        message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return error_body(400, message, param=param)
+
+
+class _Guard:
+    """Pure ASGI middleware: the API key on /v1 routes (constant-time comparison) and
+    the body-size cap (413 as soon as the declared or received size passes it; the rest
+    of the body is never read)."""
+
+    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            if not self._authorized(scope):
+                await _send_json(send, 401, error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+                return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            declared = _header(scope, b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+                await _send_json(send, 413, self._too_large())
+                return
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body = message.get("body", b"")
+                size += len(body)
+                if size > self.max_body_bytes:
+                    await _send_json(send, 413, self._too_large())
+                    return
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(b"".join(chunks), receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: dict) -> bool:
+        value = _header(scope, b"authorization") or ""
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+
+    def _too_large(self) -> dict[str, Any]:
+        return error_body(413, f"request body exceeds the server's limit of {self.max_body_bytes} bytes", code="request_too_large")
+
+
+def _header(scope: dict, name: bytes) -> Optional[str]:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_json(send: Callable, status: int, body: dict[str, Any], headers: Optional[dict[str, str]] = None) -> None:
+    payload = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,139 @@
+"""``GET /metrics``: Prometheus text under vLLM's metric names (per replica) plus
+kvroute's own routing figures.
+
+Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the router's
+``stats()`` (when a router runs), and the ingress' own ``RoutingAccuracy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from kvroute.deploy.serving import RequestTrace
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_GAUGES = (
+    ("vllm:num_requests_running", "num_running", "Requests in the engine's running batch."),
+    ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
+)
+_COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("vllm:num_preemptions", "num_preemptions", "Requests preempted (recomputed) under KV pressure."),
+)
+_HISTOGRAMS = (
+    ("vllm:time_to_first_token_seconds", "ttft_s", "Time to first token, at the replica."),
+    ("vllm:inter_token_latency_seconds", "itl_s", "Time between output tokens."),
+    ("vllm:e2e_request_latency_seconds", "e2e_s", "End-to-end request latency, at the replica."),
+)
+
+
+class RoutingAccuracy:
+    """Predicted vs actual cached tokens of the requests this ingress saw finish."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.predicted = 0
+        self.actual = 0
+        self.abs_error = 0
+
+    def on_finished(self, trace: RequestTrace, num_cached_tokens: int) -> None:
+        if trace.expected_cached_tokens is None:
+            return
+        self.requests += 1
+        self.predicted += trace.expected_cached_tokens
+        self.actual += num_cached_tokens
+        self.abs_error += abs(trace.expected_cached_tokens - num_cached_tokens)
+
+
+def render(
+    model_name: str,
+    replicas: dict[str, dict[str, Any]],
+    router: Optional[dict[str, Any]] = None,
+    accuracy: Optional[RoutingAccuracy] = None,
+    fallbacks: Optional[int] = None,
+) -> bytes:
+    """The Prometheus text exposition of everything given."""
+
+    class _Collector:
+        def collect(self) -> Iterable[Metric]:
+            yield from _replica_families(model_name, replicas)
+            yield from _router_families(model_name, router, accuracy, fallbacks)
+
+    return generate_latest(_Collector())  # type: ignore[arg-type]
+
+
+def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> Iterable[Metric]:
+    labels = ["model_name", "replica"]
+    for name, key, doc in _GAUGES:
+        fam = GaugeMetricFamily(name, doc, labels=labels)
+        for rid, rep in sorted(replicas.items()):
+            fam.add_metric([model_name, rid], float(rep["engine"][key]))
+        yield fam
+    for name, key, doc in _COUNTERS:
+        fam = CounterMetricFamily(name, doc, labels=labels)
+        for rid, rep in sorted(replicas.items()):
+            fam.add_metric([model_name, rid], float(rep["engine"][key]))
+        yield fam
+    for name, key, doc in (
+        ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
+        ("vllm:generation_tokens", "generation_tokens", "Output tokens generated."),
+    ):
+        fam = CounterMetricFamily(name, doc, labels=labels)
+        for rid, rep in sorted(replicas.items()):
+            fam.add_metric([model_name, rid], float(rep[key]))
+        yield fam
+    fam = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.", labels=[*labels, "finished_reason"])
+    for rid, rep in sorted(replicas.items()):
+        for reason, count in sorted(rep["finished"].items()):
+            fam.add_metric([model_name, rid, reason], float(count))
+    yield fam
+    for name, key, doc in _HISTOGRAMS:
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        for rid, rep in sorted(replicas.items()):
+            h = rep[key]
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
+            fam.add_metric([model_name, rid], buckets, float(h["sum"]))
+        yield fam
+
+
+def _router_families(
+    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[RoutingAccuracy], fallbacks: Optional[int]
+) -> Iterable[Metric]:
+    labels = ["model_name"]
+    if router is not None:
+        fam = CounterMetricFamily("kvroute:routing_decisions", "Routing decisions by reason.", labels=[*labels, "reason"])
+        for reason, count in sorted(router.get("decisions_by_reason", {}).items()):
+            fam.add_metric([model_name, reason], float(count))
+        yield fam
+        for name, key, doc in (
+            ("kvroute:directory_blocks", "directory_blocks", "Distinct block hashes in the router's directory."),
+            ("kvroute:directory_entries", "directory_entries", "(block, replica) entries in the directory."),
+            ("kvroute:directory_pending_entries", "pending_entries", "Optimistic entries not yet confirmed by KV events."),
+            ("kvroute:router_replicas", "replicas", "Replicas registered with the router."),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([model_name], float(router.get(key, 0)))
+            yield g
+    if fallbacks is not None:
+        c = CounterMetricFamily("kvroute:router_fallbacks", "Requests routed without the router (power of two).", labels=labels)
+        c.add_metric([model_name], float(fallbacks))
+        yield c
+    if accuracy is not None:
+        for name, value, doc in (
+            ("kvroute:predicted_cached_tokens", accuracy.predicted, "Cached prompt tokens the router expected."),
+            ("kvroute:actual_cached_tokens", accuracy.actual, "Cached prompt tokens the replicas reported."),
+            ("kvroute:cached_tokens_abs_error", accuracy.abs_error, "Sum of |expected - actual| cached tokens."),
+            ("kvroute:routed_requests", accuracy.requests, "Finished requests that carried a router prediction."),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([model_name], float(value))
+            yield c

@@ -1,0 +1,198 @@
+"""The OpenAI protocol at the HTTP edge: request models (pydantic, validated field by
+field) and the conversion to the engine's ``SamplingParams``.
+
+Only what we serve is modelled; unknown fields are ignored, as OpenAI's own server
+does. Range checks live here so a bad field is a 400 naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_STOP_SEQUENCES = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API (vLLM allows 20)
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+
+TokenIds = list[StrictInt]
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    n: StrictInt = Field(default=1, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be >= 0")
+        return v
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int], seed_offset: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice (``n`` is fanned out above the engine:
+        choice *i* samples with ``seed + i`` so the choices differ but stay reproducible)."""
+        if self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            min_p=float(self.min_p),
+            seed=None if self.seed is None else (self.seed + seed_offset) % 2**64,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            stop=stops,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+    suffix: Optional[str] = None
+    best_of: Optional[StrictInt] = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: Optional[str]) -> Optional[str]:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"message content of type {part.type!r} is not supported (text only)")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them (text content only)."""
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text()})
+        return out
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[StrictInt]

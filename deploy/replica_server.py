@@ -1,0 +1,112 @@
+"""The single-engine server (``kvroute serve-replica``): one in-process engine behind the
+same OpenAI API, no Ray. Besides the OpenAI routes it answers the endpoints that other
+routers probe their workers with (``/get_model_info``, ``/get_server_info``,
+``/get_load`` for sglang-router; ``/load`` for vllm-router), so several of these
+servers can stand behind such a router on the same engine settings as ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI
+
+from kvroute.deploy.api import build_api
+from kvroute.deploy.metrics import CONTENT_TYPE, render
+from kvroute.deploy.serving import OpenAIServing, RequestTrace, ServerLimits
+from kvroute.replica.async_engine import AsyncEngine
+from kvroute.replica.config import EngineConfig
+from kvroute.replica.engine import Engine, EngineStats
+from kvroute.replica.outputs import TokenDelta
+from kvroute.replica.sampling_params import SamplingParams
+
+
+class EngineBackend:
+    """The ``Backend`` of one in-process ``AsyncEngine``."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def generate(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: Optional[str],
+        trace: RequestTrace,
+    ) -> AsyncIterator[TokenDelta]:
+        trace.replica_id = self.engine.engine.config.replica_id
+        gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt)
+        try:
+            async for delta in gen:
+                yield delta
+        finally:
+            await gen.aclose()
+
+    async def ready(self) -> bool:
+        return self.engine.failure is None
+
+
+def build_replica_server(
+    config: EngineConfig, limits: ServerLimits = ServerLimits(), served_model_name: Optional[str] = None
+) -> tuple[FastAPI, AsyncEngine]:
+    """The ASGI app of one engine, and the engine (loaded here, before serving)."""
+    engine = Engine(config)
+    async_engine = AsyncEngine(engine)
+    name = served_model_name or config.model
+    serving = OpenAIServing(
+        name,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.arch.vocab_size,
+        EngineBackend(async_engine),
+        limits,
+        served_model_aliases=() if name == config.model else (config.model,),
+    )
+    replica_id = config.replica_id
+
+    async def metrics() -> tuple[bytes, str]:
+        report = await async_engine.metrics_report()
+        return render(name, {replica_id: report}), CONTENT_TYPE
+
+    async def load() -> EngineStats:
+        return await async_engine.between_steps(lambda: engine.stats(with_ref_counts=False))
+
+    def extra_routes(app: FastAPI) -> None:
+        @app.get("/get_model_info")
+        async def get_model_info() -> dict[str, Any]:
+            return {"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path), "is_generation": True}
+
+        @app.get("/get_server_info")
+        async def get_server_info() -> dict[str, Any]:
+            info = dataclasses.asdict(config)
+            info.update(served_model_name=name, max_model_len=engine.max_model_len, num_kv_blocks=engine.kv.num_blocks)
+            return info
+
+        @app.get("/get_load")
+        async def get_load() -> dict[str, Any]:
+            stats = await load()
+            return {
+                "num_reqs": stats.num_running + stats.num_waiting,
+                "num_running_reqs": stats.num_running,
+                "num_waiting_reqs": stats.num_waiting,
+                "num_tokens": stats.queued_prefill_tokens,
+                "kv_cache_usage": stats.kv_usage,
+            }
+
+        @app.get("/load")
+        async def server_load() -> dict[str, Any]:
+            stats = await load()
+            return {"server_load": stats.num_running + stats.num_waiting}
+
+    return build_api(serving, metrics, extra_routes), async_engine
+
+
+def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimits, served_model_name: Optional[str] = None) -> None:
+    """Load the engine and serve until interrupted (Ctrl-C stops cleanly)."""
+    import uvicorn
+
+    app, _ = build_replica_server(config, limits, served_model_name)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
