@@ -21,7 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.messages import GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError
+from kvroute.cluster.messages import GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError, RouteTrace
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
@@ -68,7 +68,10 @@ class KVRouteClient:
         request_id: str | None = None,
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
+        route: RouteTrace | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """Stream one request. ``route``, when given, is filled in with where the request
+        went (the last replica, after any resume) and what the router expected there."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = [int(t) for t in token_ids]
@@ -110,6 +113,10 @@ class KVRouteClient:
                         raise ReplicaUnavailableError(
                             f"request {rid}: no token within first_token_timeout_s={self.first_token_timeout_s}"
                         ) from None
+                    if first and route is not None and request.route is not None:
+                        route.replica_id = request.route.replica_id
+                        route.expected_cached_tokens = request.route.expected_cached_tokens if attempt == 0 else None
+                        route.reason = request.route.reason if attempt == 0 else "resumed"
                     first = False
                     streamed.extend(delta.token_ids)
                     finished = delta.finish_reason is not None

@@ -32,10 +32,23 @@ class GenerateRequest:
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    # Written by the caller's Serve request router (it runs in the caller's process and
+    # sees this very object), read back by the client: where the request went and why.
+    route: "RouteTrace | None" = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class RouteTrace:
+    """How one request was routed: the replica that served it, the cached tokens the
+    router expected there (None when no router prediction applies), and the reason."""
+
+    replica_id: str | None = None
+    expected_cached_tokens: int | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ class EngineReplica:
         self._router = get_or_create_router_actor(config)
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
         await self._register()  # traffic routed by the directory can come at once
-        self._publisher_task = asyncio.get_running_loop().create_task(self._publish_loop())
+        loop = asyncio.get_running_loop()
+        self._publisher_task = loop.create_task(self._publish_loop())
+        self._metrics_task = loop.create_task(self._metrics_loop())
 
     # ------------------------------------------------------------------ serving
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -146,6 +148,21 @@ class EngineReplica:
                 self.counters["push_failures"] += 1
                 log.info("replica %s: router unreachable (%r); retrying", self.replica_id, exc)
                 await asyncio.sleep(min(self.config.heartbeat_s, 0.2))
+
+
+    async def _metrics_loop(self) -> None:
+        """Send this replica's metrics report (engine figures + latency histograms) to
+        the router actor about once a second, where the HTTP ingress reads them."""
+        period = max(1.0, self.config.heartbeat_s)
+        while not self._closing:
+            await asyncio.sleep(period)
+            try:
+                report = await self.engine.metrics_report()
+                await self._router.report_metrics.remote(self.replica_id, report)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # router restarting: the next round retries
+                log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
 
 
 def request_router_config(config: ClusterConfig) -> RequestRouterConfig:

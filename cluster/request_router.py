@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import ray
 from ray.serve.request_router import (
@@ -27,12 +27,19 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError, RouteTrace
+
+if TYPE_CHECKING:
+    from kvroute.cluster.router_actor import Ranking
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_LOG_EVERY_S = 10.0
 _MAX_REMEMBERED_RANKINGS = 10_000
+
+# Process-wide counts over every KVRouteRequestRouter in this process (Serve builds one
+# per handle): what the HTTP ingress exports as kvroute:router_fallbacks.
+PROCESS_STATS = {"ranked": 0, "fallbacks": 0}
 
 
 def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
@@ -54,7 +61,7 @@ class KVRouteRequestRouter(RequestRouter):
         self._actor: Optional[ray.actor.ActorHandle] = None
         # internal request id -> ranking: a request that Serve re-routes (every ranked
         # replica was full) reuses its ranking instead of asking (and counting) again.
-        self._rankings: OrderedDict[str, list[str]] = OrderedDict()
+        self._rankings: OrderedDict[str, Ranking] = OrderedDict()
         self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0}
         self._last_fallback_log = float("-inf")
         self._fallback_counter = None
@@ -108,14 +115,16 @@ class KVRouteRequestRouter(RequestRouter):
                 ranking = await self._rank(request, list(by_id))
             except Exception as exc:
                 self._note_fallback(exc)
+                request.route = RouteTrace(reason="fallback")
                 return self._power_of_two(candidate_replicas)
             self._rankings[key] = ranking
             if len(self._rankings) > _MAX_REMEMBERED_RANKINGS:
                 self._rankings.popitem(last=False)
-        ranks = [[by_id[rid]] for rid in ranking if rid in by_id]
+            request.route = RouteTrace(ranking.replica_ids[0], ranking.expected_cached_tokens, ranking.reason)
+        ranks = [[by_id[rid]] for rid in ranking.replica_ids if rid in by_id]
         return ranks or self._power_of_two(candidate_replicas)
 
-    async def _rank(self, request: GenerateRequest, candidates: list[str]) -> list[str]:
+    async def _rank(self, request: GenerateRequest, candidates: list[str]) -> Ranking:
         if self._actor is None:
             self._actor = await asyncio.wait_for(
                 asyncio.to_thread(ray.get_actor, self._actor_name, namespace=ROUTER_NAMESPACE), self._timeout_s
@@ -127,7 +136,8 @@ class KVRouteRequestRouter(RequestRouter):
             ray.cancel(ref)
             raise
         self.stats["ranked"] += 1
-        return ranking.replica_ids
+        PROCESS_STATS["ranked"] += 1
+        return ranking
 
     def _power_of_two(self, candidates: List[RunningReplica]) -> List[List[RunningReplica]]:
         # Serve probes both and takes the shorter queue.
@@ -135,6 +145,7 @@ class KVRouteRequestRouter(RequestRouter):
 
     def _note_fallback(self, exc: BaseException) -> None:
         self.stats["fallbacks"] += 1
+        PROCESS_STATS["fallbacks"] += 1
         if isinstance(exc, ValueError):  # ray.get_actor: no such actor (yet)
             self._actor = None
         if self._fallback_counter is not None:
@@ -156,6 +167,17 @@ class KVRouteRequestRouter(RequestRouter):
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self._rankings.pop(pending_request.metadata.internal_request_id, None)
+        request = _arg_of(pending_request, GenerateRequest)
+        if request is None:
+            return
+        chosen = replica_id.unique_id
+        route = request.route or RouteTrace(reason="power_of_two")
+        if route.replica_id is not None and route.replica_id != chosen:
+            # The router's choice was full, Serve took the next one: its prediction was
+            # for another replica.
+            route = RouteTrace(chosen, None, "next_ranked")
+        route.replica_id = chosen
+        request.route = route
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

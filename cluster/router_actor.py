@@ -56,6 +56,7 @@ class RouterService:
         self._next_expiry_check = 0.0
         self.started_at = clock()
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
+        self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
 
     # ------------------------------------------------------------------ replicas
     def register(
@@ -91,6 +92,7 @@ class RouterService:
 
     def remove_replica(self, replica_id: str) -> bool:
         self._last_seen.pop(replica_id, None)
+        self._metrics.pop(replica_id, None)
         if replica_id not in self.router.directory:
             return False
         self.router.remove_replica(replica_id)
@@ -133,6 +135,20 @@ class RouterService:
 
     def stats(self) -> dict[str, Any]:
         return {**self.router.stats(), **self.counters, "uptime_s": self.clock() - self.started_at}
+
+    # ------------------------------------------------------------------ metrics
+    def report_metrics(self, replica_id: str, report: dict[str, Any]) -> bool:
+        """Keep a registered replica's latest metrics report (``AsyncEngine.metrics_report``)."""
+        if replica_id not in self.router.directory:
+            return False
+        self._metrics[replica_id] = report
+        return True
+
+    def metrics(self) -> dict[str, Any]:
+        """Every registered replica's latest metrics report and the router's stats: what
+        the HTTP ingress renders at ``/metrics``."""
+        self._expire_silent()
+        return {"replicas": dict(self._metrics), "router": self.stats()}
 
 
 RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -70,6 +71,92 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 (or set KVROUTE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+
+
+def _limits(args: argparse.Namespace):
+    from kvroute.deploy.serving import ServerLimits
+
+    api_key = args.api_key or os.environ.get("KVROUTE_API_KEY") or None
+    return ServerLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s, api_key=api_key)
+
+
+def _serve_replica(args: argparse.Namespace) -> int:
+    from kvroute.deploy.replica_server import serve_replica
+    from kvroute.replica.config import EngineConfig
+
+    config = EngineConfig(model=args.model, replica_id=args.replica_id, **_engine_kwargs(args))
+    limits = _limits(args)
+    print(f"kvroute: serving {args.model} on http://{args.host}:{args.port}/v1 (one engine, Ctrl-C stops)", flush=True)
+    serve_replica(config, args.host, args.port, limits, args.served_model_name)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from kvroute.cluster.router_actor import kill_router_actor
+    from kvroute.deploy.app import build_app, parse_args, router_choice
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    route = router_choice(args.router)
+    limits = _limits(args)
+    app_args = parse_args(
+        {
+            "app_name": args.app_name,
+            "llm_configs": [
+                {
+                    "model_loading_config": {"model_id": args.served_model_name or args.model, "model_source": args.model},
+                    "engine_kwargs": _engine_kwargs(args),
+                    "deployment_config": {
+                        "num_replicas": args.replicas,
+                        "ray_actor_options": {"num_cpus": args.num_cpus_per_replica},
+                        "request_router_config": {"request_router_class": route["request_router_class"]},
+                    },
+                    "router_policy": route["router_policy"],
+                }
+            ],
+            "ingress": {
+                "api_key": limits.api_key,
+                "max_body_bytes": limits.max_body_bytes,
+                "request_timeout_s": limits.request_timeout_s,
+            },
+        }
+    )
+    if args.address:
+        ray.init(address=args.address, namespace="kvroute-serve", logging_level="warning")
+    else:
+        # Logical CPUs are bookkeeping: give Ray room for every replica plus the ingress
+        # even on a small machine (each replica still runs num_cpus torch threads).
+        need = int(args.replicas * args.num_cpus_per_replica + 2)
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
+    serve.start(http_options={"host": args.host, "port": args.port})
+    print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
+    serve.run(build_app(app_args), name=args.app_name, route_prefix="/")
+    print(f"kvroute: ready on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("kvroute: stopping…", flush=True)
+    serve.delete(args.app_name)
+    kill_router_actor(f"kvroute-router:{args.app_name}")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description="kvroute: prefix-cache-aware LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     g.set_defaults(func=_generate)
+
+    r = sub.add_parser("serve-replica", help="serve one engine over the OpenAI API (no Ray)")
+    _add_engine_args(r)
+    _add_server_args(r, port=8001)
+    r.add_argument("--replica-id", default="replica-0")
+    r.set_defaults(func=_serve_replica)
+
+    s = sub.add_parser("serve", help="start a local Ray cluster with N engine replicas, the router and the OpenAI API")
+    _add_engine_args(s)
+    _add_server_args(s, port=8000)
+    s.add_argument("--replicas", type=int, default=2)
+    s.add_argument("--router", default="kvroute", choices=["kvroute", "round_robin", "power_of_two", "prefix_affinity_ray"])
+    s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    s.add_argument("--app-name", default="kvroute")
+    s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
+    s.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,272 @@
+"""The Ray Serve application: OpenAI ingress (FastAPI) + engine replicas + router actor.
+
+``build_app(args)`` is an application builder: ``serve run deploy/serve.yaml`` and
+``serve deploy`` call it with the YAML's ``args``, shaped like Ray Serve LLM's
+(``llm_configs`` with ``model_loading_config``, ``engine_kwargs`` and
+``deployment_config``, which carries ``autoscaling_config`` and
+``request_router_config``), plus an ``ingress`` section for the HTTP limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any, AsyncIterator, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from ray import serve
+
+from kvroute.cluster.client import KVRouteClient
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError, RouteTrace
+from kvroute.cluster.replica_deployment import build_engine_deployment
+from kvroute.deploy.errors import APIError
+from kvroute.deploy.serving import ServerLimits
+from kvroute.replica.config import EngineConfig
+from kvroute.replica.outputs import TokenDelta
+from kvroute.replica.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# request_router_class values: our short names, or the classes' import paths.
+_REQUEST_ROUTERS = {
+    "kvroute": "kvroute",
+    "kvroute.cluster.request_router.KVRouteRequestRouter": "kvroute",
+    "power_of_two": "power_of_two",
+    "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter": "power_of_two",
+    "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter": "power_of_two",
+    "prefix_affinity_ray": "prefix_affinity_ray",
+    "ray.serve.llm.request_router.PrefixCacheAffinityRouter": "prefix_affinity_ray",
+}
+ROUTER_CHOICES = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelLoadingConfig(_Strict):
+    model_id: str = Field(min_length=1, description="the name clients send as `model`")
+    model_source: Optional[str] = Field(default=None, description="embedded model name or checkpoint folder (default: model_id)")
+
+
+class RequestRouterSpec(_Strict):
+    request_router_class: str = "kvroute"
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("request_router_class")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in _REQUEST_ROUTERS:
+            raise ValueError(f"unknown request_router_class {v!r}; one of {sorted(_REQUEST_ROUTERS)}")
+        return v
+
+
+class DeploymentSpec(_Strict):
+    num_replicas: Optional[int] = Field(default=None, ge=1)
+    autoscaling_config: Optional[dict[str, Any]] = None
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int = Field(default=256, ge=-1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    request_router_config: RequestRouterSpec = Field(default_factory=RequestRouterSpec)
+    graceful_shutdown_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("ray_actor_options")
+    @classmethod
+    def _actor_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(v) - {"num_cpus", "num_gpus"}
+        if unknown:
+            raise ValueError(f"ray_actor_options supports num_cpus and num_gpus, got {sorted(unknown)}")
+        return v
+
+
+class LLMConfig(_Strict):
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    deployment_config: DeploymentSpec = Field(default_factory=DeploymentSpec)
+    router_policy: str = "kvroute"
+    router_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    torch_threads: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "replica_id"}
+        unknown = set(v) - fields
+        if unknown:
+            raise ValueError(f"unknown engine_kwargs {sorted(unknown)}; EngineConfig takes {sorted(fields)}")
+        return v
+
+
+class IngressSpec(_Strict):
+    num_replicas: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=0.5, gt=0)
+    api_key: Optional[str] = Field(default=None, min_length=1)
+    max_body_bytes: int = Field(default=4 * 2**20, ge=1024)
+    max_prompts: int = Field(default=64, ge=1)
+    max_n: int = Field(default=16, ge=1)
+    request_timeout_s: Optional[float] = Field(default=600.0, gt=0)
+    max_ongoing_requests: int = Field(default=1024, ge=1)
+
+
+class AppArgs(_Strict):
+    """The ``args`` of ``deploy/serve.yaml`` (one model per application)."""
+
+    app_name: str = "kvroute"
+    llm_configs: list[LLMConfig] = Field(min_length=1, max_length=1)
+    ingress: IngressSpec = Field(default_factory=IngressSpec)
+
+    def cluster_config(self) -> ClusterConfig:
+        llm = self.llm_configs[0]
+        dep = llm.deployment_config
+        engine = EngineConfig(model=llm.model_loading_config.model_source or llm.model_loading_config.model_id, **llm.engine_kwargs)
+        if dep.num_replicas is None and dep.autoscaling_config is None:
+            num_replicas: Optional[int] = 1
+        else:
+            num_replicas = dep.num_replicas
+        config = ClusterConfig(
+            engine=engine,
+            app_name=self.app_name,
+            num_replicas=num_replicas,
+            autoscaling_config=dep.autoscaling_config,
+            num_cpus_per_replica=float(dep.ray_actor_options.get("num_cpus", 1.0)),
+            num_gpus_per_replica=float(dep.ray_actor_options.get("num_gpus", 0.0)),
+            torch_threads=llm.torch_threads,
+            max_ongoing_requests=dep.max_ongoing_requests,
+            max_queued_requests=dep.max_queued_requests,
+            request_router=_REQUEST_ROUTERS[dep.request_router_config.request_router_class],
+            router_policy=llm.router_policy,
+            router_policy_kwargs=llm.router_policy_kwargs,
+            graceful_shutdown_timeout_s=dep.graceful_shutdown_timeout_s,
+        )
+        return config if "hash_seed" in llm.engine_kwargs else config.with_random_hash_seed()
+
+    def limits(self) -> ServerLimits:
+        i = self.ingress
+        return ServerLimits(i.max_body_bytes, i.max_prompts, i.max_n, i.request_timeout_s, i.api_key)
+
+
+def parse_args(args: Union[dict[str, Any], AppArgs]) -> AppArgs:
+    """Validate a serve config's ``args``; a ValueError names every bad field."""
+    if isinstance(args, AppArgs):
+        return args
+    try:
+        return AppArgs.model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid kvroute application args: {problems}") from None
+
+
+def router_choice(name: str) -> dict[str, Any]:
+    """The ``deployment_config`` / policy fields for a ``--router`` name of the CLI."""
+    if name not in ROUTER_CHOICES:
+        raise ValueError(f"router must be one of {ROUTER_CHOICES}, got {name!r}")
+    if name == "round_robin":  # our router actor running the round-robin baseline
+        return {"request_router_class": "kvroute", "router_policy": "round_robin"}
+    return {"request_router_class": name, "router_policy": "kvroute"}
+
+
+# ---------------------------------------------------------------------- backend
+class ClusterBackend:
+    """The ``Backend`` of the Serve ingress: the failover client over the replicas."""
+
+    def __init__(self, client: KVRouteClient, router_actor: Any) -> None:
+        self.client = client
+        self.router_actor = router_actor
+
+    async def generate(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: Optional[str],
+        trace: RouteTrace,
+    ) -> AsyncIterator[TokenDelta]:
+        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, route=trace)
+        try:
+            async for delta in gen:
+                yield delta
+        except OverloadedError as exc:
+            raise APIError(429, f"the service is overloaded: {exc}", code="overloaded", retry_after_s=exc.retry_after_s) from None
+        except ReplicaUnavailableError as exc:
+            raise APIError(503, f"no replica could serve the request: {exc}", code="unavailable", retry_after_s=1.0) from None
+        except ValueError as exc:  # raised by the replica's engine; Ray wraps it
+            cause = getattr(exc, "cause", None)
+            raise ValueError(str(cause) if isinstance(cause, ValueError) else str(exc)) from None
+        finally:
+            await gen.aclose()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.router_actor.replicas.remote(), 2.0))
+        except Exception:
+            return False
+
+
+# ---------------------------------------------------------------------- ingress
+@serve.ingress()
+class OpenAIIngress:
+    """HTTP ingress: tokenizes once, hashes, routes through the engine deployment's
+    handle and shapes OpenAI responses; ``/metrics`` reads the router actor."""
+
+    async def __init__(self, args: dict[str, Any], config: ClusterConfig, engine_handle: Any) -> None:
+        from kvroute.cluster.router_actor import get_or_create_router_actor
+        from kvroute.deploy.metrics import RoutingAccuracy
+        from kvroute.deploy.serving import OpenAIServing
+        from kvroute.replica.models.arch import ModelArch
+        from kvroute.replica.weights import load_hf_config, load_tokenizer, resolve_model
+
+        parsed = parse_args(args)
+        llm = parsed.llm_configs[0]
+        path = await asyncio.to_thread(resolve_model, config.engine.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        arch = ModelArch.from_hf_config(load_hf_config(path))
+        max_model_len = min(config.engine.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.config = config
+        self.router_actor = get_or_create_router_actor(config)
+        client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)
+        name = llm.model_loading_config.model_id
+        aliases = () if config.engine.model == name else (config.engine.model,)
+        self.serving = OpenAIServing(
+            name, tokenizer, max_model_len, arch.vocab_size, ClusterBackend(client, self.router_actor), parsed.limits(), aliases
+        )
+        self.accuracy = RoutingAccuracy()
+        self.serving.on_finished.append(self.accuracy.on_finished)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from kvroute.deploy.api import build_api
+
+        return build_api(self.serving, self._metrics)
+
+    async def _metrics(self) -> tuple[bytes, str]:
+        from kvroute.cluster.request_router import PROCESS_STATS
+        from kvroute.deploy.metrics import CONTENT_TYPE, render
+
+        try:
+            snapshot = await asyncio.wait_for(self.router_actor.metrics.remote(), 5.0)
+        except Exception as exc:  # router restarting: export what this process knows
+            log.warning("router actor did not answer for /metrics: %r", exc)
+            snapshot = {"replicas": {}, "router": None}
+        body = render(
+            self.serving.model_name, snapshot["replicas"], snapshot["router"], self.accuracy, PROCESS_STATS["fallbacks"]
+        )
+        return body, CONTENT_TYPE
+
+
+def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
+    """Serve application builder (``import_path: kvroute.deploy.app:build_app``)."""
+    parsed = parse_args(args).model_copy(deep=True)
+    if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
+        parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
+    config = parsed.cluster_config()
+    engines = build_engine_deployment(config)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress",
+        num_replicas=parsed.ingress.num_replicas,
+        max_ongoing_requests=parsed.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
+    )
+    return ingress.bind(parsed.model_dump(), config, engines)
