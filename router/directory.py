@@ -26,23 +26,27 @@ Contract
   last added. Expiry is lazy: ``match``/``add_pending`` purge the expired entries first,
   in O(expired) (the TTL is constant, so a FIFO queue is sorted by deadline).
 * ``match(hashes, candidates)`` gives each candidate the length of the longest LEADING
-  run of ``hashes`` it holds, in O(len(hashes) + candidates): one walk AND-ing owner
-  masks with the still-matching mask, stopping when it reaches 0.
+  run of ``hashes`` it holds, in O(len(hashes) + candidates): one walk over the owner
+  masks, run by run of equal masks (masks are interned, so equal runs are cheap to
+  find), AND-ing each run's mask into the still-matching mask; it stops when that
+  reaches 0 or at the first block nobody holds. ``match_depths`` gives the same as a
+  list in candidate order (the request path's form).
+* Invariant the fast paths rely on: a replica's confirmed (LRU) and pending entries are
+  disjoint, and its bit is set in a hash's owner mask iff the hash is in one of them.
 
 Memory (``python -m kvroute.benchmarks.router_overhead``, CPython 3.11, tracemalloc,
-hash ints included): 184 bytes per (block, replica) confirmed entry, 207 bytes per
+hash ints included): 163 bytes per (block, replica) confirmed entry, 183 bytes per
 distinct block with 1.125 owners per block on average (the owner-dict slot, the 128-bit
-int key, the mask int and the LRU node); a block held by several replicas pays the
-owner slot and key once.
+int key and the LRU node; owner masks are interned, so they cost nothing per block); a
+block held by several replicas pays the owner slot and key once.
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections import OrderedDict, deque
-from itertools import accumulate, repeat
-from operator import and_, neg
+from itertools import groupby, repeat, takewhile
+from operator import truth
 from typing import Any, Callable, Iterable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
@@ -65,6 +69,18 @@ class _Replica:
         self.removed = False
 
 
+class _Masks(dict):
+    """Interning table for owner masks: equal masks share one int object, so a walk
+    over a million entries reads a few hot mask objects instead of one cold object per
+    block (one cache miss less per block in ``match``). Identity is only a speed-up
+    (every test is by value). It holds one entry per distinct owner set ever seen, a few
+    dozen in practice and never more than the blocks ever stored."""
+
+    def __missing__(self, m: int) -> int:
+        self[m] = m
+        return m
+
+
 class BlockDirectory:
     """Block hash → owner replicas, kept exact by KV events (see the module docstring)."""
 
@@ -74,11 +90,13 @@ class BlockDirectory:
         self.pending_ttl_s = pending_ttl_s
         self.clock = clock
         self._owners: dict[int, int] = {}
+        self._masks = _Masks()
+        self._intern = self._masks.__getitem__
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._cand_key: object = None  # last candidate list seen by match, and its (reps, mask)
-        self._cand_val: tuple[list[_Replica], int] = ([], 0)
+        self._cand_val: tuple[list[_Replica], int, dict[int, int] | None] = ([], 0, {})
         self._expiry: deque[tuple[float, _Replica, list[int]]] = deque()  # one per add_pending call
 
     # ------------------------------------------------------------------ membership
@@ -92,7 +110,9 @@ class BlockDirectory:
             self._free_bits.remove(bit)
         else:
             bit, self._next_bit = self._next_bit, self._next_bit + 1
-        self._replicas[ReplicaId(replica_id)] = _Replica(ReplicaId(replica_id), bit, capacity_blocks)
+        rep = _Replica(ReplicaId(replica_id), bit, capacity_blocks)
+        rep.mask = self._intern(rep.mask)
+        self._replicas[rep.rid] = rep
         self._cand_key = None
 
     def remove_replica(self, replica_id: str) -> None:
@@ -147,22 +167,29 @@ class BlockDirectory:
         pending = rep.pending
         if cleared:
             for h in lru:
-                if h not in pending:
-                    self._clear(owners, h, keep)
+                self._clear(owners, h, keep)  # lru and pending are disjoint
             lru.clear()
         for h in removed:
             if h in lru:
                 del lru[h]
-                if h not in pending:
-                    self._clear(owners, h, keep)
+                self._clear(owners, h, keep)
+        get = owners.get
+        intern = self._intern
+        # The owner mask tells where h is for this replica without two more lookups:
+        # bit clear -> neither confirmed nor pending; bit set -> exactly one of them.
         for h in stored:
-            if h in lru:
+            m = get(h)
+            if m is None:
+                lru[h] = None
+                owners[h] = mask
+            elif not m & mask:
+                lru[h] = None
+                owners[h] = intern(m | mask)
+            elif h in lru:
                 lru.move_to_end(h)
-                continue
-            lru[h] = None
-            if pending and pending.pop(h, None) is not None:
-                continue  # its bit is already set
-            owners[h] = owners.get(h, 0) | mask
+            else:
+                del pending[h]  # confirmed: its bit stays
+                lru[h] = None
         if len(lru) > rep.capacity:
             self._evict_over_capacity(rep)
         return True
@@ -179,10 +206,11 @@ class BlockDirectory:
                 self._clear(owners, h, keep)
         rep.lru = OrderedDict()
         mask = rep.mask
+        intern = self._intern
         for h in new:
             rep.lru[h] = None
             rep.pending.pop(h, None)
-            owners[h] = owners.get(h, 0) | mask
+            owners[h] = intern(owners.get(h, 0) | mask)
         rep.last_seq = seq
         rep.stale = False
         rep.after_snapshot = True
@@ -209,22 +237,43 @@ class BlockDirectory:
         if self._expiry:
             self._purge(now)
         rep = self._get(replica_id)
-        lru = rep.lru
-        new = [h for h in (block_hashes[start:] if start else block_hashes) if h not in lru]
-        if not new:
+        tail = block_hashes[start:] if start else block_hashes
+        if not tail:
             return 0
-        pending = rep.pending
-        fresh = [h for h in new if h not in pending] if pending else new
         owners = self._owners
-        get = owners.get
         mask = rep.mask
-        for h in fresh:
-            owners[h] = get(h, 0) | mask
+        pending = rep.pending
         deadline = now + self.pending_ttl_s
-        for h in new:
-            pending[h] = deadline
-        self._expiry.append((deadline, rep, new))
-        return len(fresh)
+        before = len(owners)
+        # one lookup per block: insert our bit where nobody holds the block, read the rest
+        ms = list(map(owners.setdefault, tail, repeat(mask)))
+        if len(owners) - before == len(ms):
+            # the usual case (a new suffix): nobody held any of it (and no repeats)
+            new = tail if type(tail) is list and tail is not block_hashes else list(tail)  # kept by _expiry
+            pending.update(zip(new, repeat(deadline)))
+            self._expiry.append((deadline, rep, new))
+            return len(new)
+        lru = rep.lru
+        intern = self._intern
+        new = []
+        fresh = 0
+        for h, m in zip(tail, ms):
+            if m is not mask:
+                if m & mask:  # (equal masks are one object: m has other bits too)
+                    if h in lru:
+                        continue  # confirmed there already: left as it is
+                else:
+                    owners[h] = intern(m | mask)
+                    fresh += 1
+            elif h in lru:
+                continue
+            elif h not in pending:
+                fresh += 1  # inserted just now by setdefault
+            pending[h] = deadline  # new, or refreshed
+            new.append(h)
+        if new:
+            self._expiry.append((deadline, rep, new))
+        return fresh
 
     def purge_expired(self, now: float | None = None) -> int:
         return self._purge(self.clock() if now is None else now)
@@ -251,37 +300,62 @@ class BlockDirectory:
     # ------------------------------------------------------------------ queries
     def match(self, block_hashes: Sequence[BlockHash], candidates: Iterable[str], now: float | None = None) -> dict[ReplicaId, int]:
         """Leading blocks of ``block_hashes`` each candidate holds (confirmed or pending)."""
+        cands = candidates if isinstance(candidates, (list, tuple)) else list(candidates)
+        return dict(zip(cands, self.match_depths(block_hashes, cands, now)))  # type: ignore[arg-type]
+
+    def match_depths(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str], now: float | None = None) -> list[int]:
+        """``match`` as a list in the order of ``candidates`` (the request path's form)."""
         if self._expiry:
             self._purge(self.clock() if now is None else now)
-        cands = candidates if isinstance(candidates, (list, tuple)) else list(candidates)
-        if cands is self._cand_key:  # the Router passes one tuple object for "all replicas"
-            reps, alive = self._cand_val
+        if candidates is self._cand_key:  # the Router passes one tuple object per candidate set
+            reps, alive, pos = self._cand_val
         else:
-            reps = [self._get(c) for c in cands]
+            reps = [self._get(c) for c in candidates]
             alive = 0
             for rep in reps:
                 alive |= rep.mask
-            if type(cands) is tuple:  # immutable: safe to recognise by identity
-                self._cand_key, self._cand_val = cands, (reps, alive)
-        get = self._owners.get
-        if not block_hashes or not get(block_hashes[0], 0) & alive:
-            return dict.fromkeys([rep.rid for rep in reps], 0)
-        # acc[i] = candidates holding blocks 0..i-1; the chain only loses bits, so it is
-        # non-increasing as ints and each run of equal values is found by bisection (C loops).
-        acc = list(accumulate(map(get, block_hashes, repeat(0)), and_, initial=alive))
-        end_all = len(acc)
+            pos = {rep.mask: i for i, rep in enumerate(reps)}
+            if len(pos) != len(reps):
+                pos = None  # a candidate listed twice: no position map
+            if type(candidates) is tuple:  # immutable: safe to recognise by identity
+                self._cand_key, self._cand_val = candidates, (reps, alive, pos)
+        if not block_hashes or not self._owners.get(block_hashes[0], 0) & alive:
+            return [0] * len(reps)
+        depth = self.depths(block_hashes, alive)
+        if pos is None:
+            return [depth.get(rep.mask, 0) for rep in reps]
+        out = [0] * len(reps)
+        for m, d in depth.items():
+            out[pos[m]] = d
+        return out
+
+    def depths(self, block_hashes: Sequence[BlockHash], alive: int) -> dict[int, int]:
+        """{bit mask of a replica in ``alive``: the length of the leading run of
+        ``block_hashes`` it holds}, for every replica whose run is non-empty (the
+        others hold 0). No expiry purge: ``match`` is the public entry point."""
+        # Walk the runs of equal owner masks (interned, so == is mostly an identity
+        # check): the replicas still matching lose bits only where a run starts. The
+        # lookups stop at the first block nobody holds. C loops but for one turn per run.
         depth: dict[int, int] = {}
         cur, pos = alive, 0
-        while cur:
-            end = bisect_right(acc, -cur, pos, key=neg)
-            nxt = acc[end] if end < end_all else 0
-            dropped = cur ^ nxt
-            while dropped:
-                low = dropped & -dropped
-                depth[low] = end - 1
-                dropped ^= low
-            cur, pos = nxt, end
-        return {rep.rid: depth.get(rep.mask, 0) for rep in reps}
+        for m, run in groupby(takewhile(truth, map(self._owners.get, block_hashes, repeat(0)))):
+            nxt = cur & m
+            if nxt != cur:
+                if pos:
+                    dropped = cur ^ nxt
+                    while dropped:
+                        low = dropped & -dropped
+                        depth[low] = pos
+                        dropped ^= low
+                cur = nxt
+                if not cur:
+                    return depth
+            pos += len(list(run))
+        while cur and pos:
+            low = cur & -cur
+            depth[low] = pos
+            cur ^= low
+        return depth
 
     def owners(self, block_hash: BlockHash) -> list[ReplicaId]:
         m = self._owners.get(block_hash, 0)
@@ -298,6 +372,15 @@ class BlockDirectory:
         """(confirmed + pending entries) / capacity: how full the replica's prefix cache is."""
         rep = self._get(replica_id)
         return (len(rep.lru) + len(rep.pending)) / max(rep.capacity, 1)
+
+    def cache_fills(self, candidates: Sequence[str], positions: Sequence[int]) -> list[float]:
+        """``cache_fill`` of ``candidates[i]`` for each ``i`` in ``positions``."""
+        if candidates is self._cand_key:
+            reps = self._cand_val[0]
+            chosen = [reps[i] for i in positions]
+        else:
+            chosen = [self._get(candidates[i]) for i in positions]
+        return [(len(r.lru) + len(r.pending)) / max(r.capacity, 1) for r in chosen]
 
     def num_blocks(self) -> int:
         """Distinct hashes with at least one owner."""
@@ -349,11 +432,10 @@ class BlockDirectory:
             raise ValueError(f"unknown replica {replica_id!r}; known: {sorted(self._replicas)}")
         return rep
 
-    @staticmethod
-    def _clear(owners: dict[int, int], h: int, keep: int) -> None:
+    def _clear(self, owners: dict[int, int], h: int, keep: int) -> None:
         m = owners.get(h, 0) & keep
         if m:
-            owners[h] = m
+            owners[h] = self._intern(m)
         else:
             owners.pop(h, None)
 

@@ -5,79 +5,176 @@ adds optimistic increments for each request it routed there: one more in flight,
 request's *uncached* prompt tokens (as the router predicted them) more queued prefill.
 A report supersedes them (the report already counts those requests, or they finished),
 so the increments reset to zero.
+
+Layout: each replica owns a slot (reused after removal) and every figure the policies
+read on the request path is a column (a list indexed by slot), so a report or an
+increment is a few list stores and ``columns(candidates)`` hands a policy each column
+for its candidates with one C-level ``itemgetter`` call. ``load(replica)`` builds the
+``ReplicaLoad`` object from the columns, cached until that replica's figures change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from operator import itemgetter
+from typing import Callable, Sequence
 
 from kvroute.replica.kv_events import LoadFigures
 from kvroute.router.types import ReplicaId, ReplicaLoad
 
-
-@dataclass
-class _Entry:
-    capacity_blocks: int
-    figures: LoadFigures
-    in_flight: int = 0
-    added_tokens: int = 0
-    reports: int = 0
-    cached: ReplicaLoad | None = None  # rebuilt only after a change: load() is on the request path
+# (queued, rate, running, decode_step, interference, queue_len, measured)
+Columns = tuple[Sequence[int], Sequence[float], Sequence[int], Sequence[float], Sequence[float], Sequence[int], bool]
 
 
 class LoadView:
     """Per-replica last report + optimistic increments since it."""
 
     def __init__(self) -> None:
-        self._entries: dict[ReplicaId, _Entry] = {}
+        self._slot: dict[ReplicaId, int] = {}
+        self._free: list[int] = []
+        # columns, by slot; ``queued`` includes the routed-since-report increments
+        self.queued: list[int] = []
+        self.rate: list[float] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.in_flight: list[int] = []
+        self.decode_step: list[float] = []
+        self.interference: list[float] = []  # decode_step if running decodes, else 0.0
+        self.queue_len: list[int] = []  # waiting + running + in_flight
+        self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
+        self._added: list[int] = []
+        self._figures: list[LoadFigures] = []
+        self._capacity: list[int] = []
+        self._reports: list[int] = []
+        self._cached: list[ReplicaLoad | None] = []
+        self._getter_key: object = None  # last candidate tuple seen by columns(), and its getter
+        self._getter: Callable[[list], tuple] | None = None
 
+    # ------------------------------------------------------------------ membership
     def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
-        self._entries[ReplicaId(replica_id)] = _Entry(capacity_blocks, LoadFigures())
+        rid = ReplicaId(replica_id)
+        if rid in self._slot:
+            raise ValueError(f"replica {replica_id!r} is already in the load view")
+        if self._free:
+            s = min(self._free)
+            self._free.remove(s)
+        else:
+            s = len(self.queued)
+            for col in self._all_columns():
+                col.append(None)
+        self._slot[rid] = s
+        self._capacity[s] = capacity_blocks
+        self._reports[s] = 0
+        self._set(s, LoadFigures())
+        self._getter_key = None
 
     def remove_replica(self, replica_id: str) -> None:
-        self._entries.pop(ReplicaId(replica_id), None)
+        s = self._slot.pop(ReplicaId(replica_id), None)
+        if s is not None:
+            self._free.append(s)
+            self._unmeasured.discard(s)
+            self._cached[s] = None
+            self._getter_key = None
 
+    # ------------------------------------------------------------------ updates
     def report(self, replica_id: str, figures: LoadFigures) -> None:
         """A fresh report from the replica: take it and drop the increments."""
-        e = self._get(replica_id)
-        e.figures = figures
-        e.in_flight = 0
-        e.added_tokens = 0
-        e.reports += 1
-        e.cached = None
+        s = self._get(replica_id)
+        self._set(s, figures)
+        self._reports[s] += 1
 
     def on_routed(self, replica_id: str, uncached_tokens: int) -> None:
-        e = self._get(replica_id)
-        e.in_flight += 1
-        e.added_tokens += max(uncached_tokens, 0)
-        e.cached = None
+        self.on_routed_slot(self._get(replica_id), uncached_tokens)
+
+    def on_routed_slot(self, slot: int, uncached_tokens: int) -> None:
+        self.in_flight[slot] += 1
+        self.queue_len[slot] += 1
+        if uncached_tokens > 0:
+            self._added[slot] += uncached_tokens
+            self.queued[slot] += uncached_tokens
+        self._cached[slot] = None
+
+    def _set(self, s: int, f: LoadFigures) -> None:
+        self._figures[s] = f
+        self.queued[s] = f.queued_prefill_tokens
+        self.rate[s] = f.prefill_tokens_per_s
+        self.running[s] = f.num_running
+        self.waiting[s] = f.num_waiting
+        self.decode_step[s] = f.decode_step_s
+        self.interference[s] = f.decode_step_s if f.num_running else 0.0
+        self.queue_len[s] = f.num_waiting + f.num_running
+        if f.prefill_tokens_per_s and f.decode_step_s:
+            self._unmeasured.discard(s)
+        else:
+            self._unmeasured.add(s)
+        self.in_flight[s] = 0
+        self._added[s] = 0
+        self._cached[s] = None
+
+    # ------------------------------------------------------------------ queries
+    def slot(self, replica_id: str) -> int:
+        return self._get(replica_id)
+
+    def columns(self, candidates: Sequence[str]) -> Columns:
+        """(queued, rate, running, decode_step, interference, queue_len, measured) for
+        ``candidates``, in their order (``CandidateTable``'s fields). A tuple of candidates is recognised by identity (the Router
+        passes one object for "all replicas"), so its getter is built once."""
+        if candidates is not self._getter_key:
+            slots = [self._get(c) for c in candidates]
+            if len(slots) == 1:
+                only = slots[0]
+                getter: Callable[[list], tuple] = lambda col: (col[only],)  # noqa: E731
+            else:
+                getter = itemgetter(*slots)
+            if type(candidates) is tuple:
+                self._getter_key, self._getter = candidates, getter
+        else:
+            getter = self._getter  # type: ignore[assignment]
+        rate, step = getter(self.rate), getter(self.decode_step)
+        return (
+            getter(self.queued),
+            rate,
+            getter(self.running),
+            step,
+            getter(self.interference),
+            getter(self.queue_len),
+            not self._unmeasured or (all(rate) and all(step)),
+        )
 
     def has_report(self, replica_id: str) -> bool:
-        return self._get(replica_id).reports > 0
+        return self._reports[self._get(replica_id)] > 0
 
     def load(self, replica_id: str) -> ReplicaLoad:
-        e = self._entries.get(replica_id)  # type: ignore[call-overload]
-        if e is not None and e.cached is not None:
-            return e.cached
-        e = self._get(replica_id)
-        f = e.figures
-        e.cached = ReplicaLoad(
+        s = self._slot.get(replica_id)  # type: ignore[call-overload]
+        if s is not None:
+            cached = self._cached[s]
+            if cached is not None:
+                return cached
+        s = self._get(replica_id)
+        f = self._figures[s]
+        cached = self._cached[s] = ReplicaLoad(
             num_waiting=f.num_waiting,
             num_running=f.num_running,
-            queued_prefill_tokens=f.queued_prefill_tokens + e.added_tokens,
+            queued_prefill_tokens=self.queued[s],
             kv_usage=f.kv_usage,
             prefill_tokens_per_s=f.prefill_tokens_per_s,
             decode_step_s=f.decode_step_s,
-            capacity_blocks=e.capacity_blocks,
-            in_flight=e.in_flight,
+            capacity_blocks=self._capacity[s],
+            in_flight=self.in_flight[s],
         )
-        return e.cached
+        return cached
 
     def figures(self, replica_id: str) -> LoadFigures:
-        return self._get(replica_id).figures
+        return self._figures[self._get(replica_id)]
 
-    def _get(self, replica_id: str) -> _Entry:
-        e = self._entries.get(replica_id)  # type: ignore[call-overload]
-        if e is None:
-            raise ValueError(f"unknown replica {replica_id!r}; known: {sorted(self._entries)}")
-        return e
+    # ------------------------------------------------------------------ internals
+    def _all_columns(self) -> list[list]:
+        return [
+            self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
+            self.interference, self.queue_len, self._added, self._figures, self._capacity, self._reports, self._cached,
+        ]  # fmt: skip
+
+    def _get(self, replica_id: str) -> int:
+        s = self._slot.get(replica_id)  # type: ignore[call-overload]
+        if s is None:
+            raise ValueError(f"unknown replica {replica_id!r}; known: {sorted(self._slot)}")
+        return s

@@ -19,7 +19,7 @@ from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.router.directory import BlockDirectory
 from kvroute.router.load_view import LoadView
 from kvroute.router.policy import Policy
-from kvroute.router.types import ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
+from kvroute.router.types import CandidateTable, ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
 
 
 def _make_policy(policy: Policy | str, policy_kwargs: dict[str, Any]) -> Policy:
@@ -69,19 +69,23 @@ class Router:
         self._block_updates = 0
         self._last_match: dict[ReplicaId, int] | None = None
         self._last_match_key: Sequence[BlockHash] | None = None
+        self._last_table: CandidateTable | None = None
         self.load = self.loads.load  # type: ignore[method-assign]  # one call less on the request path
         self._all: tuple[ReplicaId, ...] = ()  # every replica, one object until membership changes
+        self._given: tuple[ReplicaId, ...] | None = None  # last explicit candidate list, validated
 
     # ------------------------------------------------------------------ membership
     def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
         self.directory.add_replica(replica_id, capacity_blocks)
         self.loads.add_replica(replica_id, capacity_blocks)
         self._all = tuple(self.directory.replicas())
+        self._given = None
 
     def remove_replica(self, replica_id: str) -> None:
         self.directory.remove_replica(replica_id)
         self.loads.remove_replica(replica_id)
         self._all = tuple(self.directory.replicas())
+        self._given = None
         self.policy.on_replica_removed(ReplicaId(replica_id))
 
     def replicas(self) -> list[ReplicaId]:
@@ -128,34 +132,48 @@ class Router:
             if not cands:
                 raise ValueError("the router has no replicas: call add_replica before routing")
         else:
-            if not candidates:
-                raise ValueError("candidates is empty: pass None for all replicas, or at least one replica id")
-            unknown = [c for c in candidates if c not in self.directory]
-            if unknown:
-                raise ValueError(f"unknown candidate replicas {unknown}; known: {sorted(self.directory.replicas())}")
-            cands = tuple(candidates)  # type: ignore[arg-type]
+            cands = candidates if type(candidates) is tuple else tuple(candidates)  # type: ignore[assignment]
+            if cands == self._given:  # the same candidates as last time (the cluster's usual case)
+                cands = self._given  # one object: the directory's and load view's caches hit
+            else:
+                if not cands:
+                    raise ValueError("candidates is empty: pass None for all replicas, or at least one replica id")
+                unknown = [c for c in cands if c not in self.directory]
+                if unknown:
+                    raise ValueError(f"unknown candidate replicas {unknown}; known: {sorted(self.directory.replicas())}")
+                self._given = cands
         if num_tokens < len(block_hashes) * self.block_size:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
             )
         request = RouteRequest(block_hashes, num_tokens, cands)
-        self._last_match = None
-        decision = self.policy.choose(request, self)
+        self._last_match = self._last_table = None
+        policy = self.policy
+        decision = policy.choose(request, self)
         chosen = decision.replica_id
-        if chosen not in self.directory or (candidates is not None and chosen not in cands):
-            raise AssertionError(f"policy {self.policy.name!r} chose {chosen!r}, not a candidate")
         # uncached tokens there, as the directory sees them (baselines may not predict it)
-        m = self._last_match
-        if m is None or self._last_match_key is not block_hashes or chosen not in m:
-            m = self.directory.match(block_hashes, [chosen])
-        held = m[chosen]
-        cached = min(held * self.block_size, max(num_tokens - 1, 0))
+        table = self._last_table
+        if table is not None and table.candidates is cands:
+            try:
+                held = table.depth[cands.index(chosen)]
+            except ValueError:
+                raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
+        else:
+            if chosen not in self.directory or (candidates is not None and chosen not in cands):
+                raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate")
+            m = self._last_match
+            if m is None or self._last_match_key is not block_hashes or chosen not in m:
+                m = self.directory.match(block_hashes, [chosen])
+            held = m[chosen]
+        cached = held * self.block_size
+        if cached >= num_tokens:
+            cached = max(num_tokens - 1, 0)
         self.directory.add_pending(chosen, block_hashes, start=held)
         self.loads.on_routed(chosen, num_tokens - cached)
-        self.policy.on_routed(request, decision)
+        policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
-        self._last_match = None
+        self._last_match = self._last_table = None
         return decision
 
     # ------------------------------------------------------------------ ClusterView
@@ -163,6 +181,19 @@ class Router:
         m = self.directory.match(block_hashes, candidates)
         self._last_match, self._last_match_key = m, block_hashes
         return m
+
+    def candidate_table(self, block_hashes: Sequence[BlockHash], candidates: Sequence[ReplicaId]) -> CandidateTable:
+        """The directory's match and the load columns for ``candidates``, in their order."""
+        d = self.directory
+        table = CandidateTable(
+            candidates, d.match_depths(block_hashes, candidates), *self.loads.columns(candidates), self._fill_of(candidates)
+        )
+        self._last_table = table
+        return table
+
+    def _fill_of(self, candidates: Sequence[ReplicaId]) -> Callable[[Sequence[int]], list[float]]:
+        fills = self.directory.cache_fills
+        return lambda positions: fills(candidates, positions)
 
     def load(self, replica_id: str) -> ReplicaLoad:
         return self.loads.load(replica_id)
@@ -205,6 +236,7 @@ class Router:
         router.loads = LoadView()
         router.load = router.loads.load  # type: ignore[method-assign]
         router._all = tuple(router.directory.replicas())
+        router._given = None
         for rid, rs in state["directory"]["replicas"].items():
             router.loads.add_replica(rid, rs["capacity_blocks"])
             fig = state.get("loads", {}).get(rid)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NewType, Sequence
+from typing import Callable, NewType, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 
@@ -48,3 +48,72 @@ class ReplicaLoad:
     @property
     def queue_len(self) -> int:
         return self.num_waiting + self.num_running + self.in_flight
+
+
+class CandidateTable:
+    """One request's view of its candidates, column by column (index ``i`` is
+    ``candidates[i]``): what the kvroute policy reads, laid out so its per-candidate
+    work is a few C-level passes instead of attribute lookups on 32 objects.
+
+    ``depth[i]``: leading blocks of the request candidate ``i`` holds (the directory's
+    match). Load columns, from ``ReplicaLoad``: ``queued`` = ``queued_prefill_tokens``,
+    ``rate`` = ``prefill_tokens_per_s``, ``running`` = ``num_running``,
+    ``decode_step`` = ``decode_step_s``, ``queue_len``; ``interference[i]`` is
+    ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0. ``measured``:
+    no candidate lacks a rate or a decode step time (else the policy fills them in).
+    ``fill(positions)`` gives ``cache_fill`` of those candidates (None when the view has
+    no cache fill). Columns are sequences the caller must not mutate.
+    """
+
+    __slots__ = (
+        "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
+        "measured", "fill",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        candidates: Sequence[ReplicaId],
+        depth: Sequence[int],
+        queued: Sequence[int],
+        rate: Sequence[float],
+        running: Sequence[int],
+        decode_step: Sequence[float],
+        interference: Sequence[float],
+        queue_len: Sequence[int],
+        measured: bool,
+        fill: Callable[[Sequence[int]], list[float]] | None,
+    ) -> None:
+        self.candidates = candidates
+        self.depth = depth
+        self.queued = queued
+        self.rate = rate
+        self.running = running
+        self.decode_step = decode_step
+        self.interference = interference
+        self.queue_len = queue_len
+        self.measured = measured
+        self.fill = fill
+
+    @classmethod
+    def from_loads(
+        cls,
+        candidates: Sequence[ReplicaId],
+        depth: Sequence[int],
+        loads: Sequence[ReplicaLoad],
+        fill: Callable[[Sequence[int]], list[float]] | None = None,
+    ) -> "CandidateTable":
+        rate = [ld.prefill_tokens_per_s for ld in loads]
+        step = [ld.decode_step_s for ld in loads]
+        running = [ld.num_running for ld in loads]
+        return cls(
+            candidates,
+            depth,
+            [ld.queued_prefill_tokens for ld in loads],
+            rate,
+            running,
+            step,
+            [d if b else 0.0 for d, b in zip(step, running)],
+            [ld.queue_len for ld in loads],
+            all(rate) and all(step),
+            fill,
+        )

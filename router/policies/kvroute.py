@@ -34,14 +34,19 @@ non-empty prefix than the best).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from itertools import compress
+from typing import Any, ClassVar, Sequence
 
 from kvroute.router.policy import ClusterView, Policy
-from kvroute.router.types import ReplicaLoad, RouteDecision, RouteRequest
+from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
+
+BATCH_SLACK_REL = 1.5
+BATCH_SLACK_ABS = 16
 
 
 class KVRoutePolicy(Policy):
-    """Smallest predicted TTFT; a longer cached prefix wins within ``slack`` of the best."""
+    """Smallest predicted TTFT; a longer cached prefix wins within ``slack`` of the best;
+    no replica's batch runs ahead of the lightest one's by more than the batch slack."""
 
     name: ClassVar[str] = "kvroute"
 
@@ -54,6 +59,8 @@ class KVRoutePolicy(Policy):
         slack_rel: float = 1.2,
         slack_abs_s: float = 0.01,
         fill_slack: float = 0.05,
+        batch_slack_rel: float = BATCH_SLACK_REL,
+        batch_slack_abs: int = BATCH_SLACK_ABS,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -63,6 +70,10 @@ class KVRoutePolicy(Policy):
             raise ValueError(f"step_tokens must be positive, got {step_tokens!r}")
         if slack_rel < 1.0 or slack_abs_s < 0:
             raise ValueError(f"need slack_rel >= 1 and slack_abs_s >= 0, got {slack_rel!r}, {slack_abs_s!r}")
+        if batch_slack_rel < 1.0 or batch_slack_abs < 0:
+            raise ValueError(
+                f"need batch_slack_rel >= 1 and batch_slack_abs >= 0, got {batch_slack_rel!r}, {batch_slack_abs!r}"
+            )
         self.default_prefill_tokens_per_s = float(default_prefill_tokens_per_s)
         self.default_decode_step_s = float(default_decode_step_s)
         self.step_tokens = int(step_tokens)
@@ -71,19 +82,24 @@ class KVRoutePolicy(Policy):
         if not 0 <= fill_slack <= 1:
             raise ValueError(f"fill_slack must be in [0, 1], got {fill_slack!r}")
         self.fill_slack = float(fill_slack)
+        self.batch_slack_rel = float(batch_slack_rel)
+        self.batch_slack_abs = int(batch_slack_abs)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(prefill tokens/s, decode step s) assumed for a replica not measured yet: the
         mean of its measured peers (fleets are homogeneous), or the configured defaults
         before any measurement."""
-        rates = [ld.prefill_tokens_per_s for ld in loads if ld.prefill_tokens_per_s]
-        steps = [ld.decode_step_s for ld in loads if ld.decode_step_s]
+        return self._fallback([ld.prefill_tokens_per_s for ld in loads], [ld.decode_step_s for ld in loads])
+
+    def _fallback(self, rates: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
+        rates = [x for x in rates if x]
+        steps = [x for x in steps if x]
         return (
             sum(rates) / len(rates) if rates else self.default_prefill_tokens_per_s,
             sum(steps) / len(steps) if steps else self.default_decode_step_s,
         )
 
-    def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: list[ReplicaLoad] = ()) -> float:
+    def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: Sequence[ReplicaLoad] = ()) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of
         prefill; ``peers`` (the other candidates) supply the rates ``load`` lacks."""
         default_rate, default_step = self.fallback_rates([load, *peers])
@@ -94,66 +110,103 @@ class KVRoutePolicy(Policy):
             t += steps * (load.decode_step_s or default_step)
         return t
 
+    def batch_limit(self, queue_lens: Sequence[int]) -> float:
+        """The most requests (waiting + running + routed since the last report) a
+        replica may hold and still take one more: the lightest candidate's count times
+        ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger."""
+        low = min(queue_lens)
+        return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
+
+    # ------------------------------------------------------------------ choice
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
+        build = getattr(view, "candidate_table", None)
+        if build is not None:
+            table = build(request.block_hashes, request.candidates)
+        else:
+            table = self.table_from_view(request, view)
+        return self.choose_from(table, request.num_tokens, view.block_size)
+
+    @staticmethod
+    def table_from_view(request: RouteRequest, view: Any) -> CandidateTable:
+        """The table from the plain ``ClusterView`` calls (hand-built views in tests)."""
         cands = request.candidates
         matched = view.prefix_match(request.block_hashes, cands)
-        load_of = view.load
-        bs = view.block_size
-        n = request.num_tokens
+        fill = getattr(view, "cache_fill", None)
+        return CandidateTable.from_loads(
+            cands,
+            [matched[r] for r in cands],
+            [view.load(r) for r in cands],
+            None if fill is None else (lambda positions: [fill(cands[i]) for i in positions]),
+        )
+
+    def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int) -> RouteDecision:
+        """The decision for a request of ``num_tokens`` tokens over ``table`` (the
+        request path: each per-candidate pass is one comprehension or C call)."""
+        cands = table.candidates
+        n = num_tokens
+        queued = table.queued
+        if table.measured:
+            rate, interf = table.rate, table.interference
+        else:  # unmeasured replicas borrow their peers' mean
+            default_rate, default_step = self._fallback(table.rate, table.decode_step)
+            rate = [x or default_rate for x in table.rate]
+            interf = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
+        S = self.step_tokens
+        # predicted TTFT with nothing cached (predict_ttft, inlined; + 0.0 changes no
+        # float), then the owners' with their cached prefix
+        ts = [(w := q + n) / r + -(-w // S) * d for q, r, d in zip(queued, rate, interf)]
+        depth = table.depth
         cap = max(n - 1, 0)
-        loads = [load_of(r) for r in cands]
-        default_rate, default_step = self.fallback_rates(loads)
-        step_tokens = self.step_tokens
-        rows = []
-        best = float("inf")
+        cached: dict[int, int] = {}
         longest = 0
-        for i, load in enumerate(loads):  # predict_ttft, inlined: this loop is the request path
-            r = cands[i]
-            cached = matched[r] * bs
-            if cached > cap:
-                cached = cap
-            work = load.queued_prefill_tokens + n - cached
-            t = work / (load.prefill_tokens_per_s or default_rate)
-            if load.num_running:
-                t += -(-work // step_tokens) * (load.decode_step_s or default_step)
-            rows.append((cached, t, i, load))
-            if t < best:
-                best = t
-            if cached > longest:
-                longest = cached
+        if any(depth):
+            for i in compress(range(len(depth)), depth):
+                c = depth[i] * block_size
+                if c > cap:
+                    c = cap
+                cached[i] = c
+                if c > longest:
+                    longest = c
+                w = queued[i] + n - c
+                ts[i] = w / rate[i] + -(-w // S) * interf[i]
+        # decode-aware: a replica whose batch ran past the limit takes no more
+        qlen = table.queue_len
+        blimit = self.batch_limit(qlen)
+        if max(qlen) > blimit:
+            ok: list[bool] | None = [x <= blimit for x in qlen]
+            best = min(compress(ts, ok))  # type: ignore[arg-type]
+        else:
+            ok = None
+            best = min(ts)
         limit = best * self.slack_rel + self.slack_abs_s
-        pick = None
-        eligible = [row for row in rows if row[1] <= limit]
-        if longest == 0 and len(eligible) > 1:
-            # A new prefix: TTFTs are near-ties, so place it where the cache has the
-            # most room left, so it is not evicted before its group comes back.
-            fill = getattr(view, "cache_fill", None)
-            if fill is not None:
-                low = min(fill(cands[row[2]]) for row in eligible)
-                eligible = [row for row in eligible if fill(cands[row[2]]) <= low + self.fill_slack]
-        for row in eligible:
-            if pick is None or self._better(row, pick):
-                pick = row
-        assert pick is not None
-        cached, _, i, _ = pick
-        if longest == 0:
+        pick = -1
+        if cached:
+            owners = [i for i in cached if ts[i] <= limit and (ok is None or ok[i])]
+            if owners:
+                pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
+        if pick < 0:
+            if not longest and table.fill is not None:
+                eligible = [i for i, t in enumerate(ts) if t <= limit and (ok is None or ok[i])]
+                if len(eligible) > 1:
+                    # A new prefix: TTFTs are near-ties, so place it where the cache has
+                    # the most room left, so it is not evicted before its group comes back.
+                    fills = table.fill(eligible)
+                    low = min(fills) + self.fill_slack
+                    eligible = [i for i, f in zip(eligible, fills) if f <= low]
+                pick = min(eligible, key=lambda i: (ts[i], qlen[i], i))
+            elif ts.count(best) == 1:  # the usual case: one fastest replica
+                pick = ts.index(best)
+            else:
+                pick = min(
+                    (i for i, t in enumerate(ts) if t == best and (ok is None or ok[i])), key=lambda i: (qlen[i], i)
+                )
+        c = cached.get(pick, 0)
+        if not longest:
             reason = "cold"
-        elif cached == longest:
+        elif c == longest:
             reason = "prefix"
-        elif cached == 0:
+        elif c == 0:
             reason = "hot_prefix_replica"
         else:
             reason = "load"
-        return RouteDecision(cands[i], cached, reason)
-
-    @staticmethod
-    def _better(a: tuple, b: tuple) -> bool:
-        """Longer cached prefix, then smaller TTFT, then fewer queued/in flight, then order."""
-        if a[0] != b[0]:
-            return a[0] > b[0]
-        if a[1] != b[1]:
-            return a[1] < b[1]
-        qa, qb = a[3].queue_len, b[3].queue_len
-        if qa != qb:
-            return qa < qb
-        return a[2] < b[2]
+        return RouteDecision(cands[pick], c, reason)

@@ -198,3 +198,53 @@ def test_match_agrees_with_brute_force_on_random_states():
             want[c] = k
         assert d.match(req, cands) == want
         assert d.match(req, tuple(cands)) == want
+
+
+def test_match_runs_of_owner_sets_that_grow_back():
+    """Owner sets along the request that lose a replica and then regain it: the
+    replica's depth stops at the first block it lacks, however the set changes later."""
+    d, _ = make("a", "b", "c")
+    d.apply("a", 1, H[:8], [], False)
+    d.apply("b", 1, H[:2] + H[3:8], [], False)  # lacks H[2], holds the rest
+    d.add_pending("c", H[:3])
+    assert d.match(H, ["a", "b", "c"]) == {"a": 8, "b": 2, "c": 3}
+    assert d.match_depths(H, ("c", "b", "a")) == [3, 2, 8]
+    assert d.match_depths(H, ["a", "a"]) == [8, 8]  # a candidate listed twice
+    assert d.match_depths(G, ["a", "b"]) == [0, 0]
+
+
+def test_add_pending_counts_and_state_with_blocks_held_elsewhere():
+    d, clock = make("a", "b")
+    d.apply("b", 1, H[:4], [], False)  # b holds H[0..3]
+    # all new for a, some held by b: every block pending on a, b keeps its entries
+    assert d.add_pending("a", H[:6]) == 6
+    assert d.pending("a") == H[:6] and d.owners(H[1]) == ["a", "b"] and d.owners(H[5]) == ["a"]
+    # mixed: H[0..1] confirmed on a, H[2..5] pending (refreshed), H[6..7] new
+    d.apply("a", 1, H[:2], [], False)
+    clock.t += 3.0
+    assert d.add_pending("a", H) == 2
+    assert d.confirmed("a") == H[:2] and d.pending("a") == H[2:8]
+    clock.t += 3.0  # the first add's deadline passed; the refresh keeps H[2..5]
+    assert d.match(H, ["a", "b"]) == {"a": 8, "b": 4}
+    clock.t += 2.0  # past the refresh: only the confirmed entries remain on a
+    assert d.match(H, ["a", "b"]) == {"a": 2, "b": 4}
+    assert d.owners(H[3]) == ["b"] and d.owners(H[6]) == [] and d.pending("a") == []
+    # a repeated hash in one request is recorded once
+    assert d.add_pending("a", [G[0], G[0], G[1]]) == 2
+    assert d.pending("a") == [G[0], G[1]] and d.owners(G[0]) == ["a"]
+
+
+def test_confirming_pending_and_removing_keep_owner_bits_exact():
+    d, _ = make("a", "b")
+    d.add_pending("a", H[:3])
+    d.apply("b", 1, H[:3], [], False)
+    d.apply("a", 1, [H[0], H[1]], [], False)  # confirms two pending entries
+    assert d.confirmed("a") == H[:2] and d.pending("a") == [H[2]]
+    assert d.owners(H[0]) == ["a", "b"] and d.num_pending() == 1
+    d.apply("a", 2, [H[1]], [H[0]], False)  # H[1] re-stored: touched
+    assert d.confirmed("a") == [H[1]] and d.owners(H[0]) == ["b"]
+    d.apply("b", 2, [], [], True)
+    assert d.owners(H[0]) == [] and d.owners(H[1]) == ["a"] and d.owners(H[2]) == ["a"]
+    assert d.num_blocks() == 2
+    fills = d.cache_fills(("a", "b"), [1, 0])
+    assert fills == [0.0, 2 / 100]

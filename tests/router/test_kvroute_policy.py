@@ -132,3 +132,57 @@ def test_unmeasured_replica_borrows_its_peers_rate():
     p = KVRoutePolicy()
     assert p.predict_ttft(ReplicaLoad(), 1000, [slow]) == pytest.approx(10.0)
     assert p.predict_ttft(ReplicaLoad(), 1000) == pytest.approx(1000 / p.default_prefill_tokens_per_s)
+
+
+def _busy(running, waiting=0, in_flight=0):
+    return ReplicaLoad(num_running=running, num_waiting=waiting, in_flight=in_flight,
+                       prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
+
+
+def test_batch_limit_is_the_lightest_times_rel_or_plus_abs():
+    p = KVRoutePolicy(batch_slack_rel=1.5, batch_slack_abs=16)
+    assert p.batch_limit([2, 40, 7]) == 18
+    assert p.batch_limit([40, 100]) == 60.0
+    with pytest.raises(ValueError):
+        KVRoutePolicy(batch_slack_rel=0.5)
+
+
+def test_hot_owner_past_the_batch_limit_spills_to_a_second_replica():
+    p = KVRoutePolicy(batch_slack_rel=1.5, batch_slack_abs=16)
+    light = _busy(2)
+    # a holds the prefix but runs 19 (limit 2 + 16 = 18): the prefix goes to b (tie on
+    # TTFT with c, same queue, earlier candidate)
+    d = choose(View({"a": 64}, {"a": _busy(12, waiting=4, in_flight=3), "b": light, "c": light}), p)
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 0, "hot_prefix_replica")
+    # once b holds it too, b takes it as an owner while a stays over the limit
+    d = choose(View({"a": 64, "b": 64}, {"a": _busy(19), "b": _busy(3), "c": light}), p)
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 1024, "prefix")
+    # at the limit the owner keeps it
+    d = choose(View({"a": 64}, {"a": _busy(18), "b": light, "c": light}), p)
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # a partial owner under the limit beats recomputing elsewhere
+    d = choose(View({"a": 64, "c": 32}, {"a": _busy(40), "b": light, "c": _busy(10)}), p)
+    assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("c", 512, "load")
+
+
+def test_router_table_and_view_table_agree():
+    """The Router's column table and the generic ClusterView path decide alike."""
+    r = Router(KVRoutePolicy(), 16)
+    for i in range(3):
+        r.add_replica(f"r{i}", 1000)
+    from kvroute.replica.kv_events import KVEvents, LoadFigures
+
+    r.apply(KVEvents("r1", 1, stored=H[:40], load=LoadFigures(num_running=4, prefill_tokens_per_s=8000.0,
+                                                              decode_step_s=0.03)))
+    r.apply(KVEvents("r2", 1, stored=H[:64], load=LoadFigures(num_running=30, queued_prefill_tokens=3000,
+                                                              prefill_tokens_per_s=9000.0, decode_step_s=0.05)))
+    req = RouteRequest(H, N, ("r0", "r1", "r2"))
+    t = r.candidate_table(H, req.candidates)
+    assert list(t.depth) == [0, 40, 64] and list(t.queue_len) == [0, 4, 30] and not t.measured
+    assert list(t.interference) == [0.0, 0.03, 0.05]
+    p = KVRoutePolicy()
+    via_router = p.choose(req, r)
+    via_view = p.choose_from(KVRoutePolicy.table_from_view(req, View(r.prefix_match(H, req.candidates),
+                                                                     {c: r.load(c) for c in req.candidates})), N, 16)
+    assert via_router == via_view
+    assert (via_router.replica_id, via_router.reason) == ("r1", "load")

@@ -150,3 +150,37 @@ def test_stats_and_snapshot_restore():
     assert r2.load("r0").num_running == 1
     h, n = prompt(1, 8, 5)
     assert r2.route(h, n).replica_id == r.route(h, n).replica_id
+
+
+def test_same_candidate_list_each_call_and_membership_changes():
+    """The cluster passes a fresh list per request: equal lists reuse one validated
+    tuple; a membership change invalidates it."""
+    r, _ = cluster(3)
+    h, n = prompt(3, 4, 0)
+    d1 = r.route(h, n, ["r2", "r1"])
+    assert d1.replica_id in ("r2", "r1")
+    d2 = r.route(h, n, ["r2", "r1"])
+    assert (d2.replica_id, d2.reason) == (d1.replica_id, "prefix")
+    r.remove_replica("r1")
+    with pytest.raises(ValueError, match="unknown candidate"):
+        r.route(h, n, ["r2", "r1"])
+    r.add_replica("r1", 1000)
+    assert r.route(h, n, ["r1"]).replica_id == "r1"
+    assert r.load("r1").in_flight == 1 and r.load("r1").queue_len == 1
+
+
+def test_load_columns_follow_reports_and_increments():
+    r, _ = cluster(2, First())
+    cols = r.loads.columns(("r1", "r0"))
+    assert cols == ((0, 0), (0.0, 0.0), (0, 0), (0.0, 0.0), (0.0, 0.0), (0, 0), False)
+    fig = LoadFigures(num_waiting=2, num_running=3, queued_prefill_tokens=70, prefill_tokens_per_s=900.0,
+                      decode_step_s=0.04)
+    r.apply(KVEvents("r0", 1, load=fig))
+    r.loads.on_routed("r0", 30)
+    r.loads.on_routed("r0", -5)  # nothing uncached: no queued tokens added
+    assert r.loads.columns(("r1", "r0")) == ((0, 100), (0.0, 900.0), (0, 3), (0.0, 0.04), (0.0, 0.04), (0, 7), False)
+    r.apply(KVEvents("r1", 1, load=LoadFigures(prefill_tokens_per_s=800.0, decode_step_s=0.05)))
+    assert r.loads.columns(("r0",)) == ((100,), (900.0,), (3,), (0.04,), (0.04,), (7,), True)
+    assert r.loads.columns(("r1", "r0"))[4:] == ((0.0, 0.04), (0, 7), True)  # r1 measured, no decodes
+    L = r.load("r0")
+    assert (L.queued_prefill_tokens, L.in_flight, L.queue_len) == (100, 2, 7)
