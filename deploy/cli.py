@@ -100,7 +100,7 @@ def _serve_replica(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import signal
-    import threading
+    import time
 
     import ray
     from ray import serve
@@ -145,10 +145,16 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
     serve.run(build_app(app_args), name=args.app_name, route_prefix="/")
     print(f"kvroute: ready on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # (setting a threading.Event here can deadlock the main thread)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
     kill_router_actor(f"kvroute-router:{args.app_name}")

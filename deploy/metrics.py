@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvroute.deploy.serving import RequestTrace
+from kvroute.cluster.messages import RouteTrace
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -42,7 +42,7 @@ class RoutingAccuracy:
         self.actual = 0
         self.abs_error = 0
 
-    def on_finished(self, trace: RequestTrace, num_cached_tokens: int) -> None:
+    def on_finished(self, trace: RouteTrace, num_cached_tokens: int) -> None:
         if trace.expected_cached_tokens is None:
             return
         self.requests += 1

@@ -113,6 +113,13 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[StrictInt] = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
+            raise ValueError("prompt must not be empty")
+        return v
+
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, v: Optional[str]) -> Optional[str]:
@@ -125,8 +132,6 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
@@ -135,8 +140,8 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: str
-    text: Optional[str] = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
@@ -151,12 +156,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"message content of type {part.type!r} is not supported (text only)")
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

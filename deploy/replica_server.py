@@ -14,7 +14,8 @@ from fastapi import FastAPI
 
 from kvroute.deploy.api import build_api
 from kvroute.deploy.metrics import CONTENT_TYPE, render
-from kvroute.deploy.serving import OpenAIServing, RequestTrace, ServerLimits
+from kvroute.cluster.messages import RouteTrace
+from kvroute.deploy.serving import OpenAIServing, ServerLimits
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine, EngineStats
@@ -35,7 +36,7 @@ class EngineBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
-        trace: RequestTrace,
+        trace: RouteTrace,
     ) -> AsyncIterator[TokenDelta]:
         trace.replica_id = self.engine.engine.config.replica_id
         gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt)

@@ -16,20 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence, Union
 
+from kvroute.cluster.messages import RouteTrace
 from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvroute.replica.outputs import TokenDelta, TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestTrace:
-    """What a backend learnt about one engine request on its way: where it was routed
-    and how many cached tokens the router expected there (for the metrics)."""
-
-    replica_id: Optional[str] = None
-    expected_cached_tokens: Optional[int] = None
-    route_reason: Optional[str] = None
 
 
 class Backend(Protocol):
@@ -40,7 +31,7 @@ class Backend(Protocol):
         *,
         request_id: str,
         cache_salt: Optional[str],
-        trace: RequestTrace,
+        trace: RouteTrace,
     ) -> AsyncIterator[TokenDelta]:
         """Stream one request. Raises ValueError for a bad request and ``APIError``
         (429/503) when it cannot be served; closing the iterator aborts the request."""
@@ -83,7 +74,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
-    trace: RequestTrace = field(default_factory=RequestTrace)
+    trace: RouteTrace = field(default_factory=RouteTrace)
 
 
 class OpenAIServing:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -145,3 +145,42 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer:
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
     )
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned) or time runs out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster with Serve, started once for every test that needs it;
+    yields the base URL of Serve's HTTP proxy (loopback)."""
+    ray = pytest.importorskip("ray", reason="needs ray[serve] (pip install -e .[serve])")
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    # Not serve.shutdown(): it waits for every handle's router in this process, and a
+    # test that killed replicas or the router actor can leave one waiting. Ending the
+    # Ray session ends Serve with it.
+    ray.shutdown()

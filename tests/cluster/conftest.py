@@ -1,27 +1,15 @@
-"""A real local Ray cluster with Serve (no HTTP proxy), started once for the cluster tests."""
+"""Helpers of the cluster tests (the Ray cluster itself is tests/conftest.py's ``ray_cluster``)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
+from tests.conftest import wait_until  # noqa: F401  (re-exported for the cluster tests)
+
 ray = pytest.importorskip("ray", reason="the cluster tests need ray[serve] (pip install -e .[serve])")
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    from ray import serve
-
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
-    serve.start(proxy_location="Disabled")
-    yield
-    # Not serve.shutdown(): it waits for every handle's router in this process, and a
-    # test that killed replicas or the router actor can leave one waiting. Ending the
-    # Ray session ends Serve with it.
-    ray.shutdown()
 
 
 def tiny_engine(model: Path, **overrides: Any):
@@ -32,14 +20,3 @@ def tiny_engine(model: Path, **overrides: Any):
     )
     kwargs.update(overrides)
     return EngineConfig(**kwargs)
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)

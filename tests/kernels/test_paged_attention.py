@@ -1,4 +1,10 @@
-"""The paged-attention and KV-store references against plain dense attention."""
+"""Paged attention: the torch reference against plain dense attention, and the Triton
+kernel (interpreted on CPU) against both.
+
+Tolerances: fp32 2e-5 (reference) / 1e-5 (Triton vs dense, fp32 accumulation in both);
+bf16 2e-2 absolute and relative (inputs rounded to bf16, P rounded to bf16 before P@V,
+output rounded to bf16: a few bf16 ulps of values of order 1).
+"""
 
 from __future__ import annotations
 
@@ -7,62 +13,10 @@ import math
 import pytest
 import torch
 
-from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.kv_store import store_kv_reference
-from kvroute.kernels.paged_attention import paged_attention_reference
+from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import rms_norm_reference
-
-
-def build_batch(ctx_lens, q_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
-    """Random K/V for every position; cached context is pre-stored in shuffled blocks."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(ctx_lens, q_lens)) + 3
-    kc = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    vc = torch.zeros_like(kc)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, full_k, full_v, slots = [], [], [], []
-    for c, q in zip(ctx_lens, q_lens):
-        n = -(-(c + q) // block_size)
-        table = [perm.pop() for _ in range(n)]
-        tables.append(table)
-        k = torch.randn(c + q, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(c + q, num_kv_heads, head_dim, generator=g).to(dtype)
-        full_k.append(k)
-        full_v.append(v)
-        for p in range(c):  # the cached prefix is already in the cache
-            kc[table[p // block_size], p % block_size] = k[p]
-            vc[table[p // block_size], p % block_size] = v[p]
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        torch.tensor(qsl, dtype=torch.int32),
-        torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32),
-        torch.tensor(ctx_lens, dtype=torch.int32),
-        bt,
-        torch.tensor(slots, dtype=torch.int64),
-        qsl,
-        [c + q for c, q in zip(ctx_lens, q_lens)],
-        list(ctx_lens),
-    )
-    new_k = torch.cat([k[c:] for k, c in zip(full_k, ctx_lens)])
-    new_v = torch.cat([v[c:] for v, c in zip(full_v, ctx_lens)])
-    return kc, vc, meta, full_k, full_v, new_k, new_v
-
-
-def dense_attention(q, k, v, ctx, scale):
-    """q: [q_len, H, D]; k, v: [ctx + q_len, KVH, D]; explicit causal softmax in fp32."""
-    h, kvh = q.shape[1], k.shape[1]
-    k = k.float().repeat_interleave(h // kvh, dim=1)
-    v = v.float().repeat_interleave(h // kvh, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    q_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None, :]
-    s = s.masked_fill(k_pos > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+from tests.kernels.batches import build_batch, dense_attention
 
 
 CASES = [
@@ -108,3 +62,86 @@ def test_rms_norm_reference():
     w = torch.rand(8)
     want = w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(rms_norm_reference(x, w, 1e-6), want)
+
+
+# ---------------------------------------------------------------- Triton (interpreted on CPU)
+# Each interpreted launch costs ~0.5 s here, so the cases are chosen, not crossed:
+# together they cover GQA 1/3/8, fp32/bf16, block sizes 16/32, head_dim 64/128, a ragged
+# mixed batch, a prefill chunk over a cached prefix that ends mid-page, a prompt whose
+# whole prefix is cached (only its last token computed), decode-only batches, split-K,
+# BLOCK_N smaller and larger than a page, and padding rows.
+MIXED = ([0, 17, 47, 0, 64], [5, 1, 1, 1, 1])  # 47 + 1: a 48-token prompt, all but its last token cached
+CHUNKS = ([48, 0, 5], [16, 40, 11])  # page-aligned chunk over a cached prefix; mid-page ends
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _check_triton(ctx_lens, q_lens, gqa, block_size, dtype, head_dim=64, num_splits=1, block_n=None, kvh=2):
+    kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, head_dim, dtype)
+    store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
+    q = torch.randn(sum(q_lens), kvh * gqa, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits, block_n=block_n)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = TOL[dtype]
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        q0 = meta.query_start_loc_cpu[s]
+        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
+        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.usefixtures("triton_available")
+@pytest.mark.parametrize(
+    "lens,gqa,block_size,dtype,block_n",
+    [
+        (MIXED, 1, 16, torch.float32, 16),
+        (MIXED, 3, 32, torch.bfloat16, 64),
+        (MIXED, 8, 16, torch.bfloat16, 32),
+        (CHUNKS, 1, 32, torch.bfloat16, 16),
+        (CHUNKS, 3, 16, torch.float32, 64),
+        (CHUNKS, 8, 32, torch.float32, 32),
+    ],
+)
+def test_triton_paged_attention_mixed_batches(lens, gqa, block_size, dtype, block_n):
+    _check_triton(*lens, gqa, block_size, dtype, block_n=block_n)
+
+
+@pytest.mark.usefixtures("triton_available")
+def test_triton_paged_attention_head_dim_128():
+    _check_triton([20, 0], [1, 9], 2, 16, torch.bfloat16, head_dim=128, kvh=1)
+
+
+@pytest.mark.usefixtures("triton_available")
+@pytest.mark.parametrize("num_splits,dtype", [(1, torch.float32), (3, torch.float32), (4, torch.bfloat16)])
+def test_triton_decode_batch_and_split_k(num_splits, dtype):
+    # Context lengths shorter than, equal to and longer than the number of slices'
+    # worth of tiles, so some slices are empty.
+    _check_triton([0, 15, 16, 70], [1, 1, 1, 1], 4, 16, dtype, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.usefixtures("triton_available")
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_padding_rows_read_nothing_and_return_zeros(num_splits):
+    """CUDA-graph padding: seq_len 0, one query token, a block table of garbage."""
+    kc, vc, meta, full_k, full_v, new_k, new_v = build_batch([9, 30], [1, 1], 16, 2, 64, torch.float32)
+    store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
+    q = torch.randn(4, 4, 64)
+    meta.query_start_loc = torch.arange(5, dtype=torch.int32)
+    meta.query_start_loc_cpu = [0, 1, 2, 3, 4]
+    meta.seq_lens = torch.tensor([10, 31, 0, 0], dtype=torch.int32)
+    meta.block_tables = torch.cat([meta.block_tables, torch.full((2, meta.block_tables.shape[1]), 10**6, dtype=torch.int32)])
+    out = paged_attention_triton(q, kc, vc, meta, 0.125, num_splits=num_splits)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    for s, c in enumerate([9, 30]):
+        torch.testing.assert_close(out[s : s + 1], dense_attention(q[s : s + 1], full_k[s], full_v[s], c, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_launcher_rejects_bad_layouts(triton_available):
+    kc, vc, meta, *_ = build_batch([3], [1], 16, 2, 64, torch.float32)
+    with pytest.raises(AssertionError, match="dtypes"):
+        paged_attention_triton(torch.randn(1, 4, 64, dtype=torch.bfloat16), kc, vc, meta, 0.1)
+    with pytest.raises(AssertionError, match="GQA"):
+        paged_attention_triton(torch.randn(1, 3, 64), kc, vc, meta, 0.1)
+    with pytest.raises(AssertionError, match="split-K"):
+        paged_attention_triton(torch.randn(2, 4, 64), kc, vc, build_batch([3], [2], 16, 2, 64, torch.float32)[2], 0.1, num_splits=2)
