@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from kvroute.kernels.kv_store import KVStorePlan
 
 
 @dataclass
@@ -15,7 +18,9 @@ class AttentionMetadata:
     tokens sit at positions ``context_lens[s] .. seq_lens[s] - 1`` and attend causally to
     every earlier position, all of which are in the paged cache once the step's K/V are
     stored. ``slot_mapping[t] = block_id * block_size + offset`` says where token *t*'s
-    K/V go. The ``*_cpu`` lists mirror the tensors for host-side loops.
+    K/V go; a negative slot (padding) writes nothing. The ``*_cpu`` lists mirror the
+    tensors for host-side loops. ``kv_store_plan`` is filled in lazily by
+    ``ops.store_kv`` on its first call of a step and reused by every layer.
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
@@ -26,12 +31,13 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    kv_store_plan: KVStorePlan | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
+    @cached_property
     def max_query_len(self) -> int:
         q = self.query_start_loc_cpu
         return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)

@@ -1,31 +1,110 @@
 """The one switch between kernel implementations: Triton on CUDA, torch references on CPU.
 
 Models call these functions and nothing else, so changing the backend changes nothing
-above this file.
+above this file. The backend follows the tensors' device; ``KVROUTE_KERNELS=torch``
+forces the references everywhere (e.g. to compare against them on a GPU) and
+``KVROUTE_KERNELS=triton`` forces Triton everywhere (on CPU that needs
+``TRITON_INTERPRET=1``). :func:`use_backend` does the same for a block of code.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from kvroute.kernels.attention_metadata import AttentionMetadata
-from kvroute.kernels.kv_store import store_kv_reference
-from kvroute.kernels.paged_attention import paged_attention_reference
-from kvroute.kernels.rms_norm import rms_norm_reference
+from kvroute.kernels.kv_store import SLOT_ONLY, KVStorePlan, plan_kv_store, store_kv_reference, store_kv_triton
+from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
+from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
+from kvroute.kernels.triton_compat import HAS_TRITON
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("KVROUTE_KERNELS", "auto") or "auto"
+if _backend not in _BACKENDS:
+    raise ValueError(f"KVROUTE_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
+
+
+def backend() -> str:
+    return _backend
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force ``'torch'`` or ``'triton'`` (or ``'auto'``) inside the block."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    old, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = old
+
+
+def uses_triton(device: torch.device) -> bool:
+    """THE switch: True when kernels on ``device`` run as Triton."""
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("KVROUTE_KERNELS=triton but the 'triton' package is not installed")
+        return True
+    return device.type == "cuda" and HAS_TRITON
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if uses_triton(x.device):
+        return rms_norm_triton(x.contiguous(), weight, eps)  # type: ignore[return-value]
     return rms_norm_reference(x, weight, eps)
 
 
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``."""
+    if uses_triton(x.device):
+        return rms_norm_triton(x.contiguous(), weight, eps, residual.contiguous())  # type: ignore[return-value]
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place; cos/sin [T, 1, D] in the model dtype."""
+    if uses_triton(q.device):
+        rotary_triton_(q, k, cos, sin)
+    else:
+        rotary_reference_(q, k, cos, sin)
+
+
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
+    key: torch.Tensor,  # [T, KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    meta: AttentionMetadata,
 ) -> None:
-    store_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    """Write this step's K/V into the cache (whole pages where possible on Triton)."""
+    if not uses_triton(key.device):
+        store_kv_reference(key, value, key_cache, value_cache, meta.slot_mapping)
+        return
+    store_kv_triton(
+        key, value, key_cache, value_cache, meta.slot_mapping, _store_plan(meta, key_cache.shape[1], key.device),
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+    )  # fmt: skip
+
+
+def _store_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> KVStorePlan:
+    """Built once per step from the host lists and shared by every layer. A decode-only
+    step (every CUDA-graph step) needs no plan, so nothing is built during capture."""
+    if meta.max_query_len <= 1:
+        return SLOT_ONLY
+    if meta.kv_store_plan is None:
+        meta.kv_store_plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, block_size, device)
+    return meta.kv_store_plan
 
 
 def paged_attention(
@@ -37,4 +116,37 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value)
+    """Causal attention of each sequence's new tokens over its cached prefix and
+    themselves; the step's K/V must already be stored (``key``/``value`` are an optional
+    shortcut the reference may use)."""
+    if not uses_triton(query.device):
+        return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value)
+    splits = 1
+    if meta.max_query_len == 1 and query.shape[0] == meta.seq_lens.shape[0]:
+        splits = decode_splits(query.shape[0], key_cache.shape[2], query.device)
+    return paged_attention_triton(query, key_cache, value_cache, meta, scale, num_splits=splits)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split-K slices for a decode batch: enough programs to cover the SMs about twice
+    when ``num_seqs x num_kv_heads`` alone cannot (small batches, where one program per
+    head would stream a long context alone). Depends on shapes only, so a CUDA graph
+    captured for a batch size stays valid. ``KVROUTE_DECODE_SPLITS`` overrides it.
+
+    The threshold is a first guess, to be tuned with ``python -m kvroute.benchmarks.kernels``.
+    """
+    forced = os.environ.get("KVROUTE_DECODE_SPLITS")
+    if forced:
+        return max(1, int(forced))
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs * 2 > sms:
+        return 1
+    return min(16, 1 << ((2 * sms) // programs).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -15,7 +15,8 @@ class EngineConfig:
     ``num_kv_blocks=None`` sizes the KV cache from ``kv_cache_memory_gb``. ``hash_seed``
     must be the cluster-wide seed so the router's hashes match the replica's.
     ``dtype='auto'`` is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX),
-    float32 on other CPUs.
+    float32 on other CPUs. On CUDA, decode-only steps replay CUDA graphs captured for
+    batch sizes up to ``max_num_seqs`` unless ``enforce_eager``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -30,6 +31,7 @@ class EngineConfig:
     page_aligned: bool = True
     dtype: str = "auto"
     device: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
     hash_seed: int = 0
     replica_id: str = "replica-0"

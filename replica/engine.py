@@ -80,7 +80,12 @@ class Engine:
             1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
         )
         self.hash_spec = HashSpec(bs, config.hash_seed, self.model_id)
-        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len)
+        from kvroute.replica.cuda_graphs import default_graph_sizes
+
+        graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
+        self.runner = ModelRunner(
+            self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes
+        )
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(

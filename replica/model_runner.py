@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
+from kvroute.kernels import ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
+from kvroute.replica.cuda_graphs import DecodeGraphs
 from kvroute.replica.models.arch import ModelArch
 from kvroute.replica.models.decoder import DecoderForCausalLM
 from kvroute.replica.host_memory import keep_freed_memory
@@ -47,7 +50,12 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     """Owns the model weights and the KV cache tensor
-    ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Kernels come from ``kvroute.kernels.ops`` (Triton on CUDA, torch references on CPU).
+    On CUDA with Triton, decode-only steps of up to ``max(cuda_graph_sizes)`` sequences
+    replay a captured CUDA graph (``cuda_graph_sizes=()`` keeps every step eager).
+    """
 
     def __init__(
         self,
@@ -58,6 +66,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        cuda_graph_sizes: Sequence[int] = (),
     ) -> None:
         self.arch, self.device, self.dtype = arch, device, dtype
         if device.type == "cpu":
@@ -79,6 +88,16 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_sizes and device.type == "cuda" and ops.uses_triton(device):
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self._forward, cuda_graph_sizes, self.max_blocks_per_seq, device, capture=True
+                )
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
@@ -107,6 +126,10 @@ class ModelRunner:
             if row.samples:
                 logit_rows.append(qsl[-1] - 1)
         dev = self.device
+        graphs = self.graphs
+        if graphs is not None and qsl[-1] == len(step.rows) <= graphs.max_batch:
+            hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
+            return self._logits(hidden, logit_rows)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -117,12 +140,16 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
         )
-        hidden = self.model(
+        hidden = self._forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv_cache,
             meta,
         )  # [T, hidden]
+        return self._logits(hidden, logit_rows)
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:  # [len(logit_rows), vocab]
         if not logit_rows:
-            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=dev)
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
+        if len(logit_rows) == hidden.shape[0]:  # decode: every row samples, in order
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])

@@ -11,7 +11,7 @@ from torch import nn
 from kvroute.kernels import ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.models.arch import ModelArch
-from kvroute.replica.models.rope import RotaryEmbedding, apply_rotary
+from kvroute.replica.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one kernel on the GPU."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -52,8 +56,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        ops.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        ops.rotary_(q, k, *rope)
+        ops.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
         o = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -78,9 +82,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], the previous layer's output (embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden], the residual stream before adding x; None for layer 0
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before adding it), so every
+        residual add is fused into the RMSNorm that follows it. The same values as
+        ``x = x + attn(norm(x)); x = x + mlp(norm(x))``, rounded at the same points."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -112,11 +131,14 @@ class DecoderForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.tables(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_cache[i], meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache[i], meta)
+        if residual is None:  # a model without layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Hugging Face's rotate-half layout) with config scaling."""
+"""Rotary position tables (Hugging Face's rotate-half layout) with config scaling. The
+rotation itself is ``kvroute.kernels.ops.rotary_`` (in place, Triton on CUDA)."""
 
 from __future__ import annotations
 
@@ -46,15 +47,3 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin ``[T, 1, D]`` for these positions; computed once per forward pass and
         shared by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, D] -> rotated copies."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,130 @@
+"""CUDA graphs for decode-only steps: one graph per batch size, replayed on padded inputs.
+
+Every graph reads the same static input buffers (its first ``b`` rows). Before each
+replay :meth:`DecodeGraphs.run` rewrites *all* ``b`` rows of every buffer, the whole
+width of the block table included, so a replay never sees a previous step's block
+tables, slots or lengths. Padding rows get slot -1 (the KV store writes nothing) and
+seq_len 0 (attention reads nothing and returns zeros); their outputs are dropped.
+
+With ``capture=False`` the same padded buffers run eagerly: that is how CPU tests check
+the padding logic (under the Triton interpreter) without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence
+
+import torch
+
+from kvroute.kernels.attention_metadata import AttentionMetadata
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def default_graph_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (and it)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    """Graph-captured ``forward(input_ids, positions, meta) -> hidden [b, hidden]`` for
+    decode batches of up to ``max(sizes)`` sequences."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        sizes: Sequence[int],
+        max_blocks_per_seq: int,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"CUDA graph batch sizes must be >= 1, got {list(sizes)}")
+        self.forward = forward
+        self.sizes = sorted(set(sizes))
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)  # [n, max_blocks]
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1], one token each
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, n: int) -> int:
+        """The smallest graph batch size >= n."""
+        assert 1 <= n <= self.max_batch
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        # Host lists only carry what the Triton path reads on the host (max_query_len = 1);
+        # real lengths live in the device buffers.
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            context_lens=self.context_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc_cpu=list(range(b + 1)),
+            seq_lens_cpu=[1] * b,
+            context_lens_cpu=[0] * b,
+        )
+
+    def _run_eager(self, b: int) -> torch.Tensor:
+        return self.forward(self.input_ids[:b], self.positions[:b], self._meta(b))
+
+    def _capture(self) -> None:
+        pool = None
+        for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
+            self._run_eager(b)  # compiles kernels and warms the allocator outside the graph
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._run_eager(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+
+    def run(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: torch.Tensor,  # [n, width] int32 on the host, zero-padded rows
+        seq_lens: Sequence[int],
+    ) -> torch.Tensor:  # [n, hidden]
+        """One decode step for ``n = len(input_ids)`` sequences (one new token each)."""
+        n = len(input_ids)
+        b = self.padded_size(n)
+        pad = b - n
+        # Built on the host in full, then copied over every row the graph reads.
+        ids = torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64)  # [b]
+        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.int64)  # [b]
+        slot = torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64)  # [b]
+        lens = torch.tensor(list(seq_lens) + [0] * pad, dtype=torch.int32)  # [b]
+        width = block_tables.shape[1]
+        assert block_tables.shape[0] == n and width <= self.max_blocks_per_seq, "block table wider than max_model_len"
+        tables = torch.zeros((b, self.max_blocks_per_seq), dtype=torch.int32)  # [b, max_blocks]
+        tables[:n, :width] = block_tables
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(pos)
+        self.slot_mapping[:b].copy_(slot)
+        self.seq_lens[:b].copy_(lens)
+        self.context_lens[:b].copy_((lens - 1).clamp_(min=0))
+        self.block_tables[:b].copy_(tables)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self._run_eager(b)[:n]
