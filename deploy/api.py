@@ -151,7 +151,10 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix (Serve's route_prefix)
+            path = path[len(root) :]
+        if self.api_key is not None and path.startswith("/v1"):
             if not self._authorized(scope):
                 await _send_json(send, 401, error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
                 return

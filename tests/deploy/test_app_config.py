@@ -1,0 +1,89 @@
+"""The Serve config schema: deploy/serve.yaml and the KubeRay manifest parse and are
+accepted by build_app's schema; bad args are refused with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("ray")
+
+from kvroute.deploy.app import parse_args, router_choice  # noqa: E402
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _app_args(serve_config: dict) -> dict:
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "kvroute.deploy.app:build_app"
+    return app["args"]
+
+
+def test_serve_yaml_is_accepted():
+    args = parse_args(_app_args(yaml.safe_load((DEPLOY / "serve.yaml").read_text())))
+    config = args.cluster_config()
+    assert config.engine.model == "smollm2-135m-instruct" and config.num_replicas == 2
+    assert config.request_router == "kvroute" and config.router_policy == "kvroute"
+    assert args.limits().max_body_bytes == 4 * 2**20
+
+
+def test_kuberay_manifest_is_accepted():
+    manifest = yaml.safe_load((DEPLOY / "k8s" / "rayservice.yaml").read_text())
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head["resources"]["limits"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    args = parse_args(_app_args(yaml.safe_load(manifest["spec"]["serveConfigV2"])))
+    config = args.cluster_config()
+    assert config.num_gpus_per_replica == 1 and config.num_replicas is None
+    assert config.autoscaling_config == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 48}
+    assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
+
+
+def test_each_cluster_build_draws_a_hash_seed_unless_pinned():
+    base = {"llm_configs": [{"model_loading_config": {"model_id": "m"}}]}
+    a, b = parse_args(base).cluster_config(), parse_args(base).cluster_config()
+    assert a.engine.hash_seed != b.engine.hash_seed
+    pinned = {"llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"hash_seed": 7}}]}
+    assert parse_args(pinned).cluster_config().engine.hash_seed == 7
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({}, "llm_configs"),
+        ({"llm_configs": []}, "llm_configs"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"}}] * 2}, "llm_configs"),
+        ({"llm_configs": [{"model_loading_config": {}}]}, "model_id"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"blocksize": 16}}]}, "blocksize"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"}, "deployment_config": {"num_replicas": 0}}]}, "num_replicas"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"},
+                           "deployment_config": {"request_router_config": {"request_router_class": "magic"}}}]}, "magic"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"},
+                           "deployment_config": {"ray_actor_options": {"memory": 1}}}]}, "memory"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"}}], "ingress": {"max_body_bytes": 10}}, "max_body_bytes"),
+        ({"llm_configs": [{"model_loading_config": {"model_id": "m"}}], "surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_args_name_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        parse_args(args)
+
+
+def test_engine_and_cluster_checks_still_apply():
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        parse_args({"llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"block_size": 3}}]}).cluster_config()
+    with pytest.raises(ValueError, match="router_policy must be one of"):
+        parse_args({"llm_configs": [{"model_loading_config": {"model_id": "m"}, "router_policy": "nope"}]}).cluster_config()
+
+
+def test_router_choices():
+    assert router_choice("round_robin") == {"request_router_class": "kvroute", "router_policy": "round_robin"}
+    assert router_choice("prefix_affinity_ray")["request_router_class"] == "prefix_affinity_ray"
+    with pytest.raises(ValueError, match="router must be one of"):
+        router_choice("random")

@@ -1,0 +1,158 @@
+"""The Ray Serve application end to end: ``build_app`` on a real local Ray cluster,
+requests through Serve's HTTP proxy on loopback with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from kvroute.cluster.client import KVRouteClient  # noqa: E402
+from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.deploy.app import build_app, parse_args  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+
+MODEL = "tiny-served"
+
+
+def _args(model_path, app_name: str, **deployment) -> dict:
+    return {
+        "app_name": app_name,
+        "llm_configs": [
+            {
+                "model_loading_config": {"model_id": MODEL, "model_source": str(model_path)},
+                "engine_kwargs": {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"},
+                "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}, **deployment},
+            }
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_llama_path):
+    name = "kvhttp"
+    parsed = parse_args(_args(tiny_llama_path, name))
+    serve.run(build_app(parsed), name=name, route_prefix="/")
+    router = ray.get_actor(f"kvroute-router:{name}", namespace="kvroute")
+    wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
+    yield ray_cluster, router, parsed
+    serve.delete(name)
+    kill_router_actor(f"kvroute-router:{name}")
+
+
+def _states(router, cluster_config) -> dict[str, dict]:
+    handle = serve.get_deployment_handle(cluster_config.deployment_name, app_name=cluster_config.app_name)
+    client = KVRouteClient(handle, cluster_config.hash_spec)
+    return {rid: asyncio.run(client.debug_state(rid, 10.0)) for rid in ray.get(router.replicas.remote())}
+
+
+def test_completions_chat_and_prefix_hits_through_serve(app):
+    url, router, _ = app
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    r = client.completions.create(model=MODEL, prompt="Hello through Serve", max_tokens=6, temperature=0)
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    prompt = "A long shared system prompt about the rules of the archive, " * 6
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    time.sleep(0.5)  # the holder's KV events reach the router
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 8 * 8  # routed to the holder
+    models = httpx.get(url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]][0] == MODEL
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_metrics_cover_every_replica_and_the_router(app):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, router, _ = app
+    replicas = set(ray.get(router.replicas.remote()))
+
+    def families():
+        text = httpx.get(url + "/metrics", timeout=30).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        seen = {s.labels["replica"] for s in fams["vllm:num_requests_running"].samples}
+        hits = sum(s.value for s in fams["vllm:prefix_cache_hits"].samples)
+        return fams if seen == replicas and hits > 0 else None
+
+    # Replicas report about once a second: wait for reports that include the earlier hits.
+    fams = wait_until(families, 15, "a metrics report from every replica, with the cache hits", interval_s=0.5)
+    for name in ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:num_preemptions"):
+        assert name in fams
+    reasons = {s.labels["reason"] for s in fams["kvroute:routing_decisions"].samples}
+    assert "prefix" in reasons
+    assert fams["kvroute:router_replicas"].samples[0].value == 2
+    assert fams["kvroute:directory_blocks"].samples[0].value > 0
+    value = {f: fams[f].samples[0].value for f in ("kvroute:predicted_cached_tokens", "kvroute:actual_cached_tokens",
+                                                    "kvroute:routed_requests", "kvroute:router_fallbacks")}
+    assert value["kvroute:routed_requests"] >= 4 and value["kvroute:router_fallbacks"] == 0
+    assert value["kvroute:predicted_cached_tokens"] > 0
+    assert value["kvroute:actual_cached_tokens"] == value["kvroute:predicted_cached_tokens"]
+
+
+def test_replica_side_errors_are_400_and_unknown_model_404(app):
+    url, _, _ = app
+    resp = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop_token_ids": [10**6]}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith("stop_token_ids must be in [0, ")  # the engine's own words
+    resp = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=30)
+    assert resp.status_code == 404
+
+
+def test_client_disconnect_frees_blocks_on_the_replica(app):
+    url, router, parsed = app
+    config = parsed.cluster_config()
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            body = {"prompt": "Keep going " * 10, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+
+    asyncio.run(leave_early())
+
+    def idle():
+        states = _states(router, config)
+        return all(s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0 for s in states.values())
+
+    wait_until(idle, 20, "every replica idle with no block in use", interval_s=0.3)
+
+
+def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_llama_path):
+    name = "kvhttp-small"
+    args = _args(tiny_llama_path, name, num_replicas=1, max_ongoing_requests=1, max_queued_requests=1)
+    args["ingress"] = {"api_key": "k3y"}
+    serve.run(build_app(args), name=name, route_prefix="/small")
+    try:
+        url = ray_cluster + "/small"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        headers = {"Authorization": "Bearer k3y"}
+        body = {"prompt": "Busy " * 10, "max_tokens": 60, "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+
+        results = asyncio.run(burst())
+        codes = sorted(r.status_code for r in results)
+        assert set(codes) <= {200, 429} and codes.count(200) >= 1 and codes.count(429) >= 4, codes
+        rejected = next(r for r in results if r.status_code == 429)
+        assert int(rejected.headers["Retry-After"]) >= 1
+        assert rejected.json()["error"]["type"] == "rate_limit_error"
+        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results if r.status_code == 200)
+    finally:
+        serve.delete(name)
+        kill_router_actor(f"kvroute-router:{name}")
