@@ -29,8 +29,23 @@ if _backend not in _BACKENDS:
     raise ValueError(f"KVROUTE_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
 
 
+_page_store = True  # the KV store's whole-page path; off = every token by slot (for benchmarks)
+
+
 def backend() -> str:
     return _backend
+
+
+@contextmanager
+def kv_store_pages(enabled: bool) -> Iterator[None]:
+    """Turn the KV store's whole-page path off (or on) inside the block, so benchmarks
+    can compare it with the per-token path alone."""
+    global _page_store
+    old, _page_store = _page_store, enabled
+    try:
+        yield
+    finally:
+        _page_store = old
 
 
 @contextmanager
@@ -100,7 +115,7 @@ def store_kv(
 def _store_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> KVStorePlan:
     """Built once per step from the host lists and shared by every layer. A decode-only
     step (every CUDA-graph step) needs no plan, so nothing is built during capture."""
-    if meta.max_query_len <= 1:
+    if meta.max_query_len <= 1 or not _page_store:
         return SLOT_ONLY
     if meta.kv_store_plan is None:
         meta.kv_store_plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, block_size, device)

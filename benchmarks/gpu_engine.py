@@ -1,0 +1,277 @@
+"""GPU engine benchmark on random-weight checkpoints (nothing downloaded):
+
+1. decode step time of a Llama-3.2-1B-shaped model (bf16) at batch 1/16/64/256 with 1k
+   contexts, CUDA graphs and eager, as a fraction of the HBM roofline
+   (bytes of weights + KV read per step / measured device copy bandwidth);
+2. prefill tokens/s and model FLOP/s vs the measured bf16 matmul rate for a 2k prompt,
+   with and without a 1.5k cached prefix;
+3. chunked prefill end to end with the page-aligned KV store vs the per-token path;
+4. offline throughput on the nano-vllm shape: 256 requests, input and output lengths
+   uniform in [100, 1024], Qwen3-0.6B-shaped random weights, ignore_eos; plus
+   transformers' generate on a subset, for scale.
+
+Random checkpoints are saved to a temp dir (config + safetensors + a word-level fast
+tokenizer) and loaded through the engine's real loader.
+
+    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=True, rope_theta=1000000.0, rope_scaling=None,
+    ),
+}  # fmt: skip
+
+
+def random_checkpoint(shape: dict[str, Any], folder: Path, dtype: torch.dtype, device: str) -> Path:
+    """Save a random-weight Hugging Face checkpoint of ``shape`` (built on ``device`` for
+    speed) with a word-level fast tokenizer covering the whole vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    kw = dict(shape)
+    model_type = kw.pop("model_type")
+    theta, scaling = kw.pop("rope_theta"), kw.pop("rope_scaling")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kw["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    else:
+        kw.update(rope_theta=theta, rope_scaling=scaling)
+    vocab = kw["vocab_size"]
+    config = AutoConfig.for_model(model_type, bos_token_id=0, eos_token_id=1, pad_token_id=2, **kw)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(str(folder))
+    del model
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", pad_token="t2", unk_token="t3")
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def _rows(batch: int, ctx: int, new: int, block_size: int, first_block: int = 0) -> Any:
+    """A SchedulerOutput of ``batch`` rows computing tokens [ctx, ctx + new) each, on
+    disjoint block ranges (KV contents do not matter for timing)."""
+    from kvroute.replica.scheduler import ScheduledRequest, SchedulerOutput
+
+    per = -(-(ctx + new) // block_size)
+    rows = []
+    for i in range(batch):
+        req = SimpleNamespace(token_ids=[5 + (i + j) % 1000 for j in range(ctx + new)], num_tokens=ctx + new)
+        blocks = tuple(range(first_block + i * per, first_block + (i + 1) * per))
+        rows.append(ScheduledRequest(req, ctx, new, blocks))  # type: ignore[arg-type]
+    return SchedulerOutput(rows=rows)
+
+
+def _time_steps(runner: Any, step: Any, iters: int) -> float:
+    """Median seconds of ``runner.execute(step)`` (synchronised)."""
+    for _ in range(2):
+        runner.execute(step)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def bf16_matmul_flops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def decode_bytes(weight_bytes: int, arch: Any, batch: int, ctx: int, elem: int) -> int:
+    """Bytes one decode step must read: every weight once, plus each sequence's K and V."""
+    kv = batch * ctx * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
+    return weight_bytes + kv
+
+
+def prefill_flops(weights: int, arch: Any, ctx: int, new: int) -> int:
+    """2 x non-embedding weights per computed token + causal attention over the cached
+    prefix and the chunk (QK^T and PV) + the lm_head row that samples."""
+    pairs = sum(ctx + i + 1 for i in range(new))
+    return 2 * weights * new + 4 * arch.num_layers * arch.num_heads * arch.head_dim * pairs + 2 * arch.hidden_size * arch.vocab_size
+
+
+def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
+    from kvroute.kernels import ops
+    from kvroute.replica.model_runner import ModelRunner
+    from kvroute.replica.models.arch import ModelArch
+    from kvroute.replica.weights import load_hf_config
+    from kvroute.replica.cuda_graphs import default_graph_sizes
+
+    arch = ModelArch.from_hf_config(load_hf_config(folder))
+    bs, ctx = 16, 1024
+    batches = [1, 16] if quick else [1, 16, 64, 256]
+    num_blocks = max(batches) * -(-(ctx + 1) // bs) + 8192 // bs + 16
+    runner = ModelRunner(arch, folder, num_blocks, bs, torch.device("cuda"), torch.bfloat16, 8192, default_graph_sizes(256))
+    params = list({id(p): p for p in runner.model.parameters()}.values())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    body = sum(p.numel() for n, p in runner.model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    bw = copy_bandwidth()
+    peak = bf16_matmul_flops()
+    out: dict[str, Any] = {"copy_bandwidth_gbs": bw / 1e9, "bf16_matmul_tflops": peak / 1e12, "decode": [], "prefill": []}
+    iters = 5 if quick else 20
+    for b in batches:
+        step = _rows(b, ctx, 1, bs)
+        graphs = runner.graphs
+        t_graph = _time_steps(runner, step, iters)
+        runner.graphs = None
+        t_eager = _time_steps(runner, step, iters)
+        runner.graphs = graphs
+        nbytes = decode_bytes(weight_bytes, arch, b, ctx, 2)
+        roofline = nbytes / bw
+        out["decode"].append(dict(batch=b, context=ctx, step_ms_graph=t_graph * 1e3, step_ms_eager=t_eager * 1e3,
+                                  bytes_per_step=nbytes, roofline_ms=roofline * 1e3,
+                                  roofline_fraction_graph=roofline / t_graph, roofline_fraction_eager=roofline / t_eager))  # fmt: skip
+        print(f"decode b={b:3d} ctx={ctx}: graph {t_graph*1e3:.2f} ms, eager {t_eager*1e3:.2f} ms, roofline {roofline*1e3:.2f} ms ({roofline/t_graph:.0%})")
+    for ctx_cached, new in [(0, 2048), (1536, 512)]:
+        t = _time_steps(runner, _rows(1, ctx_cached, new, bs), iters)
+        flops = prefill_flops(body, arch, ctx_cached, new)
+        out["prefill"].append(dict(cached=ctx_cached, computed=new, step_ms=t * 1e3, prompt_tokens_per_s=(ctx_cached + new) / t,
+                                   computed_tokens_per_s=new / t, model_tflops=flops / t / 1e12, fraction_of_matmul=flops / t / peak))  # fmt: skip
+        print(f"prefill 2k prompt, {ctx_cached} cached: {t*1e3:.1f} ms, {new/t:.0f} computed tok/s, {flops/t/1e12:.1f} TFLOP/s ({flops/t/peak:.0%} of matmul)")
+    # Chunked prefill of an 8k prompt in page-aligned 2048-token chunks: the KV store's
+    # page path vs the per-token path, end to end.
+    chunks = [_rows(1, c, 2048, bs) for c in range(0, 8192, 2048)]
+    res = {}
+    for pages in (True, False):
+        with ops.kv_store_pages(pages):
+            for s in chunks:
+                runner.execute(s)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(3 if quick else 10):
+                t = time.perf_counter()
+                for s in chunks:
+                    runner.execute(s)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            res["pages" if pages else "per_token"] = statistics.median(times) * 1e3
+    out["chunked_prefill_8k_ms"] = res
+    print(f"chunked prefill 8k: page store {res['pages']:.1f} ms, per-token store {res['per_token']:.1f} ms")
+    return out
+
+
+def bench_offline(folder: Path, quick: bool, hf_requests: int) -> dict[str, Any]:
+    from kvroute.replica.llm import LLM
+    from kvroute.replica.sampling_params import SamplingParams
+
+    n = 32 if quick else 256
+    rng = random.Random(0)
+    ins = [rng.randint(100, 1024) for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    prompts = [[rng.randrange(10, 151000) for _ in range(k)] for k in ins]
+    llm = LLM(str(folder), dtype="bfloat16", device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
+              kv_cache_memory_gb=8 if quick else 40, max_model_len=4096)  # fmt: skip
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm up
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    produced = sum(len(r.token_ids) for r in res)
+    assert produced == sum(outs)
+    del llm
+    torch.cuda.empty_cache()
+    out = dict(requests=n, output_tokens=produced, seconds=dt, output_tokens_per_s=produced / dt)
+    print(f"offline nano-vllm shape: {n} requests, {produced} tokens in {dt:.1f} s = {produced/dt:.0f} tok/s")
+    # transformers' generate on a subset, batched with left padding, for scale.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).cuda().eval()
+    k = min(hf_requests, n)
+    batch = 16
+    hf_tokens = 0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, k, batch):
+            ps, os_ = prompts[i : i + batch], outs[i : i + batch]
+            width = max(map(len, ps))
+            ids = torch.tensor([[2] * (width - len(p)) + p for p in ps], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device="cuda")
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_), do_sample=False, pad_token_id=2)
+            hf_tokens += sum(os_)  # only the tokens each request asked for count
+    hf_dt = time.perf_counter() - t
+    out["transformers"] = dict(requests=k, batch_size=batch, output_tokens=hf_tokens, seconds=hf_dt, output_tokens_per_s=hf_tokens / hf_dt)
+    print(f"transformers generate: {k} requests in batches of {batch}: {hf_tokens/hf_dt:.0f} tok/s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer batch sizes, iterations and requests")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests run through transformers' generate")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kvroute.benchmarks.gpu_engine needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from kvroute.benchmarks.common import write_result
+
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
+        llama = random_checkpoint(SHAPES["llama-3.2-1b"], Path(tmp) / "llama", torch.bfloat16, "cuda")
+        result["llama_3_2_1b"] = bench_llama(llama, args.quick)
+        if not args.skip_offline:
+            qwen = random_checkpoint(SHAPES["qwen3-0.6b"], Path(tmp) / "qwen3", torch.bfloat16, "cuda")
+            result["offline_qwen3_0_6b"] = bench_offline(qwen, args.quick, args.hf_requests)
+    dec = {d["batch"]: d for d in result["llama_3_2_1b"]["decode"]}
+    parts = [f"decode b{b} {d['step_ms_graph']:.2f} ms ({d['roofline_fraction_graph']:.0%} of HBM roofline)" for b, d in dec.items()]
+    if "offline_qwen3_0_6b" in result:
+        o = result["offline_qwen3_0_6b"]
+        parts.append(f"offline {o['output_tokens_per_s']:.0f} tok/s vs transformers {o['transformers']['output_tokens_per_s']:.0f}")
+    write_result("gpu_engine", result, "; ".join(parts), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""GPU tests (CUDA only; skipped elsewhere by tests/conftest.py): the interpreter cases at
+real sizes, the engine's greedy tokens on Triton vs the torch references, and CUDA-graph
+decode vs eager.
+
+Tolerances as on CPU: fp32 1e-4 (IEEE dots in the kernel, but long softmax sums), bf16
+2e-2; copies and RoPE are exact; RMSNorm within one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvroute.kernels import ops
+from kvroute.kernels.kv_store import plan_kv_store, store_kv_reference, store_kv_triton
+from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_triton
+from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
+from kvroute.replica.llm import LLM
+from kvroute.replica.models.rope import RotaryEmbedding
+from tests.kernels.batches import build_batch, dense_attention
+from tests.replica.helpers import assert_no_leak, engine_greedy, greedy, prompts_for
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# (num_heads, num_kv_heads, head_dim): Llama-3.2-1B, Qwen3-0.6B, MHA, GQA 3
+SHAPES = [(32, 8, 64), (16, 8, 128), (8, 8, 64), (12, 4, 128)]
+REAL = (
+    [0, 1000, 1500, 2047, 0, 4000, 31, 16],  # cached context per sequence
+    [512, 1, 500, 1, 1, 1, 97, 16],  # new tokens: prefill, decode, chunk over a prefix, whole prefix cached, ...
+)
+
+
+def _attention_case(ctx_lens, q_lens, shape, block_size, dtype, num_splits=1):
+    h, kvh, d = shape
+    kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, d, dtype, device="cuda")
+    plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, block_size, kc.device)
+    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping, plan, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    q = torch.randn(sum(q_lens), h, d, device="cuda").to(dtype)
+    scale = 1 / math.sqrt(d)
+    out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits)
+    torch.cuda.synchronize()
+    tol = TOL[dtype]
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        q0 = meta.query_start_loc_cpu[s]
+        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
+        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_real_sizes(shape, block_size, dtype):
+    _attention_case(*REAL, shape, block_size, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 16])
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_split_k_decode_long_context(num_splits, shape):
+    _attention_case([4095, 8000, 100, 0], [1, 1, 1, 1], shape, 16, torch.bfloat16, num_splits)
+
+
+def test_kv_store_real_sizes_exact():
+    kc, vc, meta, _, _, new_k, new_v = build_batch(REAL[0], REAL[1], 16, 8, 128, torch.bfloat16, device="cuda")
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_reference(new_k, new_v, want_k, want_v, meta.slot_mapping)
+    plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, 16, kc.device)
+    assert plan.num_pages > 0 and plan.num_tail > 0
+    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping, plan, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_and_rotary_real_sizes(dtype):
+    x = torch.randn(3000, 2048, device="cuda").to(dtype)
+    res = torch.randn(3000, 2048, device="cuda").to(dtype)
+    w = torch.rand(2048, device="cuda").to(dtype)
+    out, new_res = rms_norm_triton(x, w, 1e-5, res)
+    want, want_res = fused_add_rms_norm_reference(x, res, w, 1e-5)
+    assert torch.equal(new_res, want_res)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    rope = RotaryEmbedding(128, 40960, 1e6, None).cuda()
+    cos, sin = rope.tables(torch.randint(0, 40960, (3000,), device="cuda"), dtype)
+    q, k = torch.randn(3000, 16, 128, device="cuda").to(dtype), torch.randn(3000, 8, 128, device="cuda").to(dtype)
+    q2, k2 = q.clone(), k.clone()
+    rotary_reference_(q, k, cos, sin)
+    rotary_triton_(q2, k2, cos, sin)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
+NEW = 24
+
+
+def _batch(path):
+    prompts = prompts_for(path)
+    return [prompts[i % len(prompts)] + [11 + i] * (i % 5) for i in range(12)]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path"])
+def test_engine_triton_equals_reference_greedy(fixture, request):
+    path = request.getfixturevalue(fixture)
+    batch = _batch(path)
+    kw = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_batched_tokens=64, enforce_eager=True)
+    with ops.use_backend("torch"):
+        want = engine_greedy(LLM(str(path), **kw), batch, NEW)
+    llm = LLM(str(path), **kw)
+    assert engine_greedy(llm, batch, NEW) == want
+    assert engine_greedy(llm, batch, NEW) == want  # second pass: prefix-cache hits
+    assert_no_leak(llm)
+
+
+def test_cuda_graph_decode_equals_eager(tiny_llama_path):
+    """Requests of different lengths finish at different steps, so graph batches shrink
+    and pad over rows whose block tables belonged to finished requests; a second wave
+    reuses freed blocks. fp32: a padded batch may make cuBLAS pick another algorithm
+    than the unpadded eager one, which bf16 rounding could turn into a different token."""
+    dtype = "float32"
+    batch = _batch(tiny_llama_path)
+    params = [greedy(4 + 3 * i) for i in range(len(batch))]
+    kw = dict(device="cuda", dtype=dtype, block_size=16, num_kv_blocks=512, max_num_seqs=16)
+    eager = LLM(str(tiny_llama_path), enforce_eager=True, **kw)
+    graphs = LLM(str(tiny_llama_path), **kw)
+    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    for _ in range(2):
+        want = [o.token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+        got = [o.token_ids for o in graphs.generate(batch, params, use_tqdm=False)]
+        assert got == want
+    assert_no_leak(graphs)
