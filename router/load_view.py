@@ -21,8 +21,11 @@ from typing import Callable, Sequence
 from kvroute.replica.kv_events import LoadFigures
 from kvroute.router.types import ReplicaId, ReplicaLoad
 
-# (queued, rate, running, decode_step, interference, queue_len, measured)
-Columns = tuple[Sequence[int], Sequence[float], Sequence[int], Sequence[float], Sequence[float], Sequence[int], bool]
+# (queued, rate, running, decode_step, interference, queue_len, backlog, kv_usage, measured)
+Columns = tuple[
+    Sequence[int], Sequence[float], Sequence[int], Sequence[float], Sequence[float], Sequence[int], Sequence[int],
+    Sequence[float], bool,
+]
 
 
 class LoadView:
@@ -40,6 +43,8 @@ class LoadView:
         self.decode_step: list[float] = []
         self.interference: list[float] = []  # decode_step if running decodes, else 0.0
         self.queue_len: list[int] = []  # waiting + running + in_flight
+        self.backlog: list[int] = []  # waiting + in_flight
+        self.kv_usage: list[float] = []
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
         self._added: list[int] = []
         self._figures: list[LoadFigures] = []
@@ -88,6 +93,7 @@ class LoadView:
     def on_routed_slot(self, slot: int, uncached_tokens: int) -> None:
         self.in_flight[slot] += 1
         self.queue_len[slot] += 1
+        self.backlog[slot] += 1
         if uncached_tokens > 0:
             self._added[slot] += uncached_tokens
             self.queued[slot] += uncached_tokens
@@ -102,6 +108,8 @@ class LoadView:
         self.decode_step[s] = f.decode_step_s
         self.interference[s] = f.decode_step_s if f.num_running else 0.0
         self.queue_len[s] = f.num_waiting + f.num_running
+        self.backlog[s] = f.num_waiting
+        self.kv_usage[s] = f.kv_usage
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:
@@ -115,20 +123,29 @@ class LoadView:
         return self._get(replica_id)
 
     def columns(self, candidates: Sequence[str]) -> Columns:
-        """(queued, rate, running, decode_step, interference, queue_len, measured) for
-        ``candidates``, in their order (``CandidateTable``'s fields). A tuple of candidates is recognised by identity (the Router
-        passes one object for "all replicas"), so its getter is built once."""
+        """(queued, rate, running, decode_step, interference, queue_len, backlog,
+        kv_usage, measured) for ``candidates``, in their order (``CandidateTable``'s
+        fields). A tuple of candidates is recognised by identity (the Router passes one
+        object per candidate set), so its getter is built once; when the candidates are
+        every slot in slot order, the live columns themselves come back (read-only)."""
         if candidates is not self._getter_key:
             slots = [self._get(c) for c in candidates]
-            if len(slots) == 1:
+            if slots == list(range(len(self.queued))):
+                getter = None  # every slot, in slot order: the columns themselves
+            elif len(slots) == 1:
                 only = slots[0]
-                getter: Callable[[list], tuple] = lambda col: (col[only],)  # noqa: E731
+                getter = lambda col: (col[only],)  # noqa: E731
             else:
                 getter = itemgetter(*slots)
             if type(candidates) is tuple:
                 self._getter_key, self._getter = candidates, getter
         else:
-            getter = self._getter  # type: ignore[assignment]
+            getter = self._getter
+        if getter is None:
+            return (
+                self.queued, self.rate, self.running, self.decode_step, self.interference, self.queue_len,
+                self.backlog, self.kv_usage, not self._unmeasured,
+            )  # fmt: skip
         rate, step = getter(self.rate), getter(self.decode_step)
         return (
             getter(self.queued),
@@ -137,6 +154,8 @@ class LoadView:
             step,
             getter(self.interference),
             getter(self.queue_len),
+            getter(self.backlog),
+            getter(self.kv_usage),
             not self._unmeasured or (all(rate) and all(step)),
         )
 
@@ -170,7 +189,7 @@ class LoadView:
     def _all_columns(self) -> list[list]:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
-            self.interference, self.queue_len, self._added, self._figures, self._capacity, self._reports, self._cached,
+            self.interference, self.queue_len, self.backlog, self.kv_usage, self._added, self._figures, self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 
     def _get(self, replica_id: str) -> int:

@@ -67,7 +67,7 @@ class CandidateTable:
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
-        "measured", "fill",
+        "backlog", "kv_usage", "measured", "fill",
     )  # fmt: skip
 
     def __init__(
@@ -80,6 +80,8 @@ class CandidateTable:
         decode_step: Sequence[float],
         interference: Sequence[float],
         queue_len: Sequence[int],
+        backlog: Sequence[int],
+        kv_usage: Sequence[float],
         measured: bool,
         fill: Callable[[Sequence[int]], list[float]] | None,
     ) -> None:
@@ -91,6 +93,8 @@ class CandidateTable:
         self.decode_step = decode_step
         self.interference = interference
         self.queue_len = queue_len
+        self.backlog = backlog
+        self.kv_usage = kv_usage
         self.measured = measured
         self.fill = fill
 
@@ -114,6 +118,8 @@ class CandidateTable:
             step,
             [d if b else 0.0 for d, b in zip(step, running)],
             [ld.queue_len for ld in loads],
+            [ld.num_waiting + ld.in_flight for ld in loads],
+            [ld.kv_usage for ld in loads],
             all(rate) and all(step),
             fill,
         )

@@ -17,19 +17,44 @@ before any measurement, ``default_prefill_tokens_per_s`` /
 ``default_decode_step_s``, so a cold cluster still routes sensibly.
 
 Choice (hot-prefix replication without scattering): let ``best`` be the smallest
-``ttft_r``. Every candidate within the slack, ``ttft_r ≤ slack_rel × best + slack_abs_s``,
-is eligible; among them the one with the LONGEST cached prefix wins, then the smaller
-``ttft_r``, then fewer requests in flight/queued, then candidate order. So a request
-stays with a replica holding its prefix until that owner's predicted TTFT exceeds the
-best alternative (which includes recomputing the prefix) by the slack; only then does a
-second replica take it, and once that one holds the prefix (pending at once, then
-confirmed) it competes as an owner, so the prefix spreads one replica at a time as
-demand grows rather than over the whole fleet.
+``ttft_r`` among the *admissible* candidates (below). Every admissible candidate within
+the slack, ``ttft_r ≤ slack_rel × best + slack_abs_s``, is eligible; among them the one
+with the LONGEST cached prefix wins, then the smaller ``ttft_r``, then the shorter
+queue, then candidate order. So a request stays with a replica holding its prefix until
+that owner's predicted TTFT exceeds the best alternative (which includes recomputing the
+prefix) by the slack; only then does a second replica take it, and once that one holds
+the prefix (pending at once, then confirmed) it competes as an owner, so the prefix
+spreads one replica at a time as demand grows rather than over the whole fleet.
+
+Admissible (decode-aware placement). TTFT alone keeps a hot prefix on its owner: a hit
+costs one engine step there, a miss elsewhere a whole prefill, so the owner's batch of
+running decodes grows without bound and its decode steps (every request's inter-token
+time, and the fleet's throughput) degrade. Two rules bound it, each applied only while
+some candidate passes it:
+
+* **batch**: ``queue_len_r`` (waiting + running + routed since the last report) at most
+  ``max(batch_slack_rel × q_min, q_min + batch_slack_abs)``, ``q_min`` the lightest
+  candidate's. Past it the owner takes no more; the prefix replicates to the best other
+  replica, which then takes its share as an owner (reason ``hot_prefix_replica``, then
+  ``prefix``).
+* **KV**: a replica whose ``kv_usage ≥ kv_full`` with requests already waiting for it
+  (``num_waiting + in_flight > 0``) is admission-blocked: a new request would wait for
+  running requests to finish (seconds), which the prefill model does not see.
+
+A new prefix (no candidate holds any of it) goes, among the eligible, to the replica
+whose cache has the most room (``cache_fill``, within ``fill_slack``), then by TTFT:
+the prefix then lives where it will not be evicted soon, and new prefixes spread
+evenly (SGLang's smallest-tree rule, on the exact directory).
 
 Reasons: ``"cold"`` (no candidate holds any leading block), ``"prefix"`` (the chosen
 replica holds the longest prefix of any candidate), ``"hot_prefix_replica"`` (the chosen
 holds none of it while another candidate does), ``"load"`` (the chosen holds a shorter,
 non-empty prefix than the best).
+
+Request path: ``choose`` reads a ``CandidateTable`` (columns, from
+``Router.candidate_table``; or built from the plain ``ClusterView`` calls), so the
+per-candidate work is one list comprehension for the TTFTs and C-level passes for the
+rest.
 """
 
 from __future__ import annotations
@@ -42,6 +67,7 @@ from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, Rou
 
 BATCH_SLACK_REL = 1.5
 BATCH_SLACK_ABS = 16
+KV_FULL = 0.9
 
 
 class KVRoutePolicy(Policy):
@@ -61,6 +87,7 @@ class KVRoutePolicy(Policy):
         fill_slack: float = 0.05,
         batch_slack_rel: float = BATCH_SLACK_REL,
         batch_slack_abs: int = BATCH_SLACK_ABS,
+        kv_full: float = KV_FULL,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -84,6 +111,9 @@ class KVRoutePolicy(Policy):
         self.fill_slack = float(fill_slack)
         self.batch_slack_rel = float(batch_slack_rel)
         self.batch_slack_abs = int(batch_slack_abs)
+        if kv_full <= 0:
+            raise ValueError(f"kv_full must be positive (above 1 disables the rule), got {kv_full!r}")
+        self.kv_full = float(kv_full)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(prefill tokens/s, decode step s) assumed for a replica not measured yet: the
@@ -169,15 +199,22 @@ class KVRoutePolicy(Policy):
                     longest = c
                 w = queued[i] + n - c
                 ts[i] = w / rate[i] + -(-w // S) * interf[i]
-        # decode-aware: a replica whose batch ran past the limit takes no more
+        # decode-aware: a replica whose batch ran past the limit takes no more; nor does
+        # one whose KV is full with requests already waiting for it (admission-blocked),
+        # while some candidate is neither
         qlen = table.queue_len
         blimit = self.batch_limit(qlen)
+        ok: list[bool] | None = None
         if max(qlen) > blimit:
-            ok: list[bool] | None = [x <= blimit for x in qlen]
-            best = min(compress(ts, ok))  # type: ignore[arg-type]
-        else:
-            ok = None
-            best = min(ts)
+            ok = [x <= blimit for x in qlen]
+        kv_full = self.kv_full
+        if max(table.kv_usage) >= kv_full:
+            free = [u < kv_full or not b for u, b in zip(table.kv_usage, table.backlog)]
+            if ok is not None:
+                free = [a and b for a, b in zip(ok, free)]
+            if any(free):
+                ok = free
+        best = min(ts) if ok is None else min(compress(ts, ok))
         limit = best * self.slack_rel + self.slack_abs_s
         pick = -1
         if cached:

@@ -186,3 +186,26 @@ def test_router_table_and_view_table_agree():
                                                                      {c: r.load(c) for c in req.candidates})), N, 16)
     assert via_router == via_view
     assert (via_router.replica_id, via_router.reason) == ("r1", "load")
+
+
+def test_admission_blocked_owner_loses_while_someone_has_room():
+    p = KVRoutePolicy(kv_full=0.9)
+    rate = dict(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
+    blocked = ReplicaLoad(num_running=4, num_waiting=1, kv_usage=0.95, **rate)
+    full_idle = ReplicaLoad(num_running=4, kv_usage=0.95, **rate)  # full, nobody waiting
+    roomy = ReplicaLoad(num_running=4, kv_usage=0.5, **rate)
+    d = choose(View({"a": 64}, {"a": blocked, "b": roomy, "c": roomy}), p)
+    assert (d.replica_id, d.reason) == ("b", "hot_prefix_replica")
+    # routed-since-report requests count as waiting too
+    d = choose(View({"a": 64}, {"a": ReplicaLoad(num_running=4, in_flight=1, kv_usage=0.9, **rate), "b": roomy}), p,
+               cands=("a", "b"))
+    assert d.replica_id == "b"
+    # a full owner nobody waits for keeps its prefix
+    d = choose(View({"a": 64}, {"a": full_idle, "b": roomy}), p, cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # everyone blocked: the rule is off, the owner keeps it
+    d = choose(View({"a": 64}, {"a": blocked, "b": blocked}), p, cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # kv_full above 1 disables it
+    d = choose(View({"a": 64}, {"a": blocked, "b": roomy}), KVRoutePolicy(kv_full=1.01), cands=("a", "b"))
+    assert d.replica_id == "a"
