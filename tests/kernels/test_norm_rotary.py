@@ -58,16 +58,18 @@ def test_triton_rotary_matches_reference_bit_for_bit(dtype, heads, kv_heads, hea
     assert torch.equal(q, q2) and torch.equal(k, k2)
 
 
-def test_rotary_reference_is_hf_rotate_half():
-    """The reference is Hugging Face's apply_rotary_pos_emb."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
+def test_rotary_reference_is_rotate_half():
+    """Hugging Face's convention: pairs (i, i + D/2) rotate by angle position * inv_freq[i]."""
     rope = RotaryEmbedding(16, 64, 10000.0, None)
     positions = torch.arange(7)
     cos, sin = rope.tables(positions, torch.float32)
     q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
-    # HF: [batch, heads, seq, dim] with cos/sin [batch, seq, dim]
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0][None], sin[:, 0][None])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    angle = positions[:, None, None].float() * inv  # [7, 1, 8]
+    want = []
+    for x in (q, k):
+        x1, x2 = x[..., :8], x[..., 8:]
+        want.append(torch.cat((x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()), -1))
     rotary_reference_(q, k, cos, sin)
-    torch.testing.assert_close(q, want_q[0].transpose(0, 1))
-    torch.testing.assert_close(k, want_k[0].transpose(0, 1))
+    torch.testing.assert_close(q, want[0])
+    torch.testing.assert_close(k, want[1])
