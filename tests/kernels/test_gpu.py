@@ -21,7 +21,7 @@ from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.replica.llm import LLM
 from kvroute.replica.models.rope import RotaryEmbedding
 from tests.kernels.batches import build_batch, dense_attention
-from tests.replica.helpers import assert_no_leak, engine_greedy, greedy, prompts_for
+from tests.replica.helpers import assert_no_leak, engine_greedy, greedy
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -94,17 +94,38 @@ def test_norm_and_rotary_real_sizes(dtype):
 
 
 NEW = 24
+# Tiny random checkpoints built here with a word-level tokenizer (the device machines have
+# no gguf, so the SmolLM2-tokenizer fixtures of tests/conftest.py cannot be built there).
+# initializer_range 0.2 keeps greedy outputs varied (see tests/conftest.py).
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=1e6, rope_scaling=None,
+            initializer_range=0.2)  # fmt: skip
+KINDS = {"llama": dict(tie_word_embeddings=False), "qwen2": dict(tie_word_embeddings=True),
+         "qwen3": dict(tie_word_embeddings=True)}  # fmt: skip
 
 
-def _batch(path):
-    prompts = prompts_for(path)
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    from kvroute.benchmarks.gpu_engine import random_checkpoint
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return {
+            kind: random_checkpoint(dict(TINY, model_type=kind, **extra), tmp_path_factory.mktemp(kind), torch.float32, "cpu")
+            for kind, extra in KINDS.items()
+        }
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 100)]
     return [prompts[i % len(prompts)] + [11 + i] * (i % 5) for i in range(12)]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path"])
-def test_engine_triton_equals_reference_greedy(fixture, request):
-    path = request.getfixturevalue(fixture)
-    batch = _batch(path)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_engine_triton_equals_reference_greedy(kind, tiny_paths):
+    path = tiny_paths[kind]
+    batch = _batch()
     kw = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_batched_tokens=64, enforce_eager=True)
     with ops.use_backend("torch"):
         want = engine_greedy(LLM(str(path), **kw), batch, NEW)
@@ -114,13 +135,14 @@ def test_engine_triton_equals_reference_greedy(fixture, request):
     assert_no_leak(llm)
 
 
-def test_cuda_graph_decode_equals_eager(tiny_llama_path):
+def test_cuda_graph_decode_equals_eager(tiny_paths):
     """Requests of different lengths finish at different steps, so graph batches shrink
     and pad over rows whose block tables belonged to finished requests; a second wave
     reuses freed blocks. fp32: a padded batch may make cuBLAS pick another algorithm
     than the unpadded eager one, which bf16 rounding could turn into a different token."""
     dtype = "float32"
-    batch = _batch(tiny_llama_path)
+    tiny_llama_path = tiny_paths["llama"]
+    batch = _batch()
     params = [greedy(4 + 3 * i) for i in range(len(batch))]
     kw = dict(device="cuda", dtype=dtype, block_size=16, num_kv_blocks=512, max_num_seqs=16)
     eager = LLM(str(tiny_llama_path), enforce_eager=True, **kw)
