@@ -1,12 +1,15 @@
 # One command each: `make test` sets up everything and runs the tests;
-# `make run` sets up everything and runs the main job on the embedded default model.
+# `make serve` sets up everything and starts the service (OpenAI API on :8000, two
+# replicas of the embedded default model behind the kvroute router);
+# `make run` generates once, offline, with one in-process engine.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvroute-installed
 PROMPT ?= What is the capital of France?
+SERVE_ARGS ?=
 
-.PHONY: setup test run bench clean
+.PHONY: setup test serve run bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +24,9 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+serve: $(STAMP)
+	$(BIN)/kvroute serve $(SERVE_ARGS)
 
 run: $(STAMP)
 	$(BIN)/kvroute generate --chat --prompt "$(PROMPT)" --max-tokens 64

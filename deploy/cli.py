@@ -155,6 +155,8 @@ def _serve(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
     kill_router_actor(f"kvroute-router:{args.app_name}")

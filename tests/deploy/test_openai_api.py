@@ -172,6 +172,20 @@ def test_repeated_long_prompt_hits_the_prefix_cache(client):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_cache_salt_isolates_tenants(client):
+    prompt = "A tenant's private preamble that no other tenant may reuse from cache. " * 6
+
+    def cached(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same text, other salt: nothing shared
+    assert cached(None) == 0
+    assert cached("tenant-a") > 0
+
+
 # ---------------------------------------------------------------------- chat
 def test_chat_completion_and_stream(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
