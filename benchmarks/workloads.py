@@ -31,6 +31,10 @@ Generators and where their parameters come from:
   sends; a real server generates its own answer, and a serving benchmark that wants
   exact prefix reuse sends the planned answer as the assistant message.
 
+- :func:`long_document_qa`: vLLM ``benchmark_long_document_qa_throughput.py``: 8
+  documents of 20,000 tokens, each asked twice (``repeat_mode`` random / tile /
+  interleave), 10 output tokens.
+
 Arrivals: :func:`with_poisson_arrivals` stamps exponential inter-arrival times at a
 given rate onto a workload (turn-0 requests only); :func:`rate_sweep` turns a capacity
 into the rates to test.
@@ -266,6 +270,47 @@ def multi_turn(
     return Workload("multi-turn", reqs, params, shared_prefix_tokens=L(common_prefix_len), num_groups=n_conv)
 
 
+def long_document_qa(
+    num_documents: int = 8,
+    document_length: int = 20000,
+    question_len: int = 32,
+    output_len: int = 10,
+    repeat_count: int = 2,
+    repeat_mode: str = "random",
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    len_scale: float = 1.0,
+    vocab_size: int = DEFAULT_VOCAB,
+) -> Workload:
+    """Long-document QA after vLLM's ``benchmark_long_document_qa_throughput.py``
+    (``--num-documents 8 --document-length 20000 --output-len 10 --repeat-count 2
+    --repeat-mode random``): each document is asked ``repeat_count`` questions; a
+    request is the whole document followed by a short question (``question_len``,
+    our addition: vLLM repeats the bare document). ``repeat_mode``: ``tile`` sends
+    every document once, then again (d0 d1 .. d0 d1 ..); ``interleave`` sends each
+    document's questions back to back (d0 d0 d1 d1 ..); ``random`` shuffles.
+
+    ``scale`` multiplies ``num_documents``; ``len_scale`` the three lengths.
+    """
+    if repeat_mode not in ("random", "tile", "interleave"):
+        raise ValueError(f"repeat_mode must be random, tile or interleave, got {repeat_mode!r}")
+    if repeat_count < 1:
+        raise ValueError(f"repeat_count must be >= 1, got {repeat_count}")
+    d = scaled(num_documents, scale)
+    dl, ql, ol = (scaled(x, len_scale) for x in (document_length, question_len, output_len))
+    if repeat_mode == "tile":
+        group_of = [g for _ in range(repeat_count) for g in range(d)]
+    elif repeat_mode == "interleave":
+        group_of = [g for g in range(d) for _ in range(repeat_count)]
+    else:
+        order = np.random.default_rng(seed + 5).permutation(d * repeat_count)
+        group_of = [int(i) // repeat_count for i in order]
+    params = dict(num_documents=d, document_length=dl, question_len=ql, output_len=ol,
+                  repeat_count=repeat_count, repeat_mode=repeat_mode, seed=seed)
+    return _grouped("long-document-qa", group_of, d, dl, ql, ol, seed, vocab_size, params)
+
+
 # ---------------------------------------------------------------------- arrivals
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """``n`` arrival times of a Poisson process with ``rate`` requests/s, from 0."""
@@ -303,6 +348,7 @@ WORKLOADS = {
     "b2b": b2b,
     "zipf": zipf_groups,
     "multi-turn": multi_turn,
+    "long-document-qa": long_document_qa,
 }
 
 
