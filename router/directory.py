@@ -169,27 +169,37 @@ class BlockDirectory:
             for h in lru:
                 self._clear(owners, h, keep)  # lru and pending are disjoint
             lru.clear()
-        for h in removed:
-            if h in lru:
-                del lru[h]
-                self._clear(owners, h, keep)
-        get = owners.get
-        intern = self._intern
-        # The owner mask tells where h is for this replica without two more lookups:
-        # bit clear -> neither confirmed nor pending; bit set -> exactly one of them.
-        for h in stored:
-            m = get(h)
-            if m is None:
-                lru[h] = None
-                owners[h] = mask
-            elif not m & mask:
-                lru[h] = None
-                owners[h] = intern(m | mask)
-            elif h in lru:
-                lru.move_to_end(h)
+        if removed:
+            intern = self._intern
+            for h in removed:
+                if h in lru:
+                    del lru[h]
+                    m = owners[h]
+                    if m is mask:  # held by this replica only (masks are interned)
+                        del owners[h]
+                    elif m & keep:
+                        owners[h] = intern(m & keep)
+                    else:
+                        del owners[h]
+        if stored:
+            # One lookup per block: insert our bit where nobody holds the block; what
+            # comes back tells where h is for this replica without two more lookups
+            # (bit clear: neither confirmed nor pending; set: exactly one of them).
+            before = len(owners)
+            ms = list(map(owners.setdefault, stored, repeat(mask)))
+            if len(owners) - before == len(ms):  # all new to everyone (and no repeats)
+                lru.update(zip(stored, repeat(None)))
             else:
-                del pending[h]  # confirmed: its bit stays
-                lru[h] = None
+                intern = self._intern
+                for h, m in zip(stored, ms):
+                    if m is mask or m & mask:  # inserted just now, or ours already
+                        if h in lru:
+                            lru.move_to_end(h)
+                            continue
+                        pending.pop(h, None)  # confirmed (its bit stays), if it was pending
+                    else:
+                        owners[h] = intern(m | mask)
+                    lru[h] = None
         if len(lru) > rep.capacity:
             self._evict_over_capacity(rep)
         return True
@@ -373,14 +383,15 @@ class BlockDirectory:
         rep = self._get(replica_id)
         return (len(rep.lru) + len(rep.pending)) / max(rep.capacity, 1)
 
-    def cache_fills(self, candidates: Sequence[str], positions: Sequence[int]) -> list[float]:
-        """``cache_fill`` of ``candidates[i]`` for each ``i`` in ``positions``."""
+    def cache_rooms(self, candidates: Sequence[str], positions: Sequence[int]) -> list[int]:
+        """Blocks of room left in the cache of ``candidates[i]`` (capacity - confirmed -
+        pending, may be negative) for each ``i`` in ``positions``."""
         if candidates is self._cand_key:
             reps = self._cand_val[0]
             chosen = [reps[i] for i in positions]
         else:
             chosen = [self._get(candidates[i]) for i in positions]
-        return [(len(r.lru) + len(r.pending)) / max(r.capacity, 1) for r in chosen]
+        return [r.capacity - len(r.lru) - len(r.pending) for r in chosen]
 
     def num_blocks(self) -> int:
         """Distinct hashes with at least one owner."""

@@ -191,9 +191,9 @@ class Router:
         self._last_table = table
         return table
 
-    def _fill_of(self, candidates: Sequence[ReplicaId]) -> Callable[[Sequence[int]], list[float]]:
-        fills = self.directory.cache_fills
-        return lambda positions: fills(candidates, positions)
+    def _fill_of(self, candidates: Sequence[ReplicaId]) -> Callable[[Sequence[int]], list[int]]:
+        rooms = self.directory.cache_rooms
+        return lambda positions: rooms(candidates, positions)
 
     def load(self, replica_id: str) -> ReplicaLoad:
         return self.loads.load(replica_id)

@@ -61,13 +61,13 @@ class CandidateTable:
     ``decode_step`` = ``decode_step_s``, ``queue_len``; ``interference[i]`` is
     ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0. ``measured``:
     no candidate lacks a rate or a decode step time (else the policy fills them in).
-    ``fill(positions)`` gives ``cache_fill`` of those candidates (None when the view has
-    no cache fill). Columns are sequences the caller must not mutate.
+    ``room(positions)`` gives the blocks of room left in those candidates' caches
+    (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
-        "backlog", "kv_usage", "measured", "fill",
+        "backlog", "kv_usage", "measured", "room",
     )  # fmt: skip
 
     def __init__(
@@ -83,7 +83,7 @@ class CandidateTable:
         backlog: Sequence[int],
         kv_usage: Sequence[float],
         measured: bool,
-        fill: Callable[[Sequence[int]], list[float]] | None,
+        room: Callable[[Sequence[int]], list[int]] | None,
     ) -> None:
         self.candidates = candidates
         self.depth = depth
@@ -96,7 +96,7 @@ class CandidateTable:
         self.backlog = backlog
         self.kv_usage = kv_usage
         self.measured = measured
-        self.fill = fill
+        self.room = room
 
     @classmethod
     def from_loads(
@@ -104,7 +104,7 @@ class CandidateTable:
         candidates: Sequence[ReplicaId],
         depth: Sequence[int],
         loads: Sequence[ReplicaLoad],
-        fill: Callable[[Sequence[int]], list[float]] | None = None,
+        room: Callable[[Sequence[int]], list[int]] | None = None,
     ) -> "CandidateTable":
         rate = [ld.prefill_tokens_per_s for ld in loads]
         step = [ld.decode_step_s for ld in loads]
@@ -121,5 +121,5 @@ class CandidateTable:
             [ld.num_waiting + ld.in_flight for ld in loads],
             [ld.kv_usage for ld in loads],
             all(rate) and all(step),
-            fill,
+            room,
         )

@@ -42,7 +42,8 @@ some candidate passes it:
   running requests to finish (seconds), which the prefill model does not see.
 
 A new prefix (no candidate holds any of it) goes, among the eligible, to the replica
-whose cache has the most room (``cache_fill``, within ``fill_slack``), then by TTFT:
+whose cache has the most room left in blocks (capacity - cached - pending, within
+``fill_slack`` × the request's blocks of the roomiest), then by TTFT:
 the prefix then lives where it will not be evicted soon, and new prefixes spread
 evenly (SGLang's smallest-tree rule, on the exact directory).
 
@@ -84,11 +85,13 @@ class KVRoutePolicy(Policy):
         step_tokens: int = 2048,
         slack_rel: float = 1.2,
         slack_abs_s: float = 0.01,
-        fill_slack: float = 0.05,
+        fill_slack: float = 0.5,
         batch_slack_rel: float = BATCH_SLACK_REL,
         batch_slack_abs: int = BATCH_SLACK_ABS,
         kv_full: float = KV_FULL,
+        batch_base: str = "min",
     ) -> None:
+        self.batch_base = batch_base
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
         if default_decode_step_s < 0:
@@ -106,8 +109,8 @@ class KVRoutePolicy(Policy):
         self.step_tokens = int(step_tokens)
         self.slack_rel = float(slack_rel)
         self.slack_abs_s = float(slack_abs_s)
-        if not 0 <= fill_slack <= 1:
-            raise ValueError(f"fill_slack must be in [0, 1], got {fill_slack!r}")
+        if fill_slack < 0:
+            raise ValueError(f"fill_slack must be >= 0 (in requests), got {fill_slack!r}")
         self.fill_slack = float(fill_slack)
         self.batch_slack_rel = float(batch_slack_rel)
         self.batch_slack_abs = int(batch_slack_abs)
@@ -144,7 +147,7 @@ class KVRoutePolicy(Policy):
         """The most requests (waiting + running + routed since the last report) a
         replica may hold and still take one more: the lightest candidate's count times
         ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger."""
-        low = min(queue_lens)
+        low = sum(queue_lens) / len(queue_lens) if self.batch_base == "mean" else min(queue_lens)
         return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
 
     # ------------------------------------------------------------------ choice
@@ -154,7 +157,7 @@ class KVRoutePolicy(Policy):
             table = build(request.block_hashes, request.candidates)
         else:
             table = self.table_from_view(request, view)
-        return self.choose_from(table, request.num_tokens, view.block_size)
+        return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes))
 
     @staticmethod
     def table_from_view(request: RouteRequest, view: Any) -> CandidateTable:
@@ -162,14 +165,14 @@ class KVRoutePolicy(Policy):
         cands = request.candidates
         matched = view.prefix_match(request.block_hashes, cands)
         fill = getattr(view, "cache_fill", None)
-        return CandidateTable.from_loads(
-            cands,
-            [matched[r] for r in cands],
-            [view.load(r) for r in cands],
-            None if fill is None else (lambda positions: [fill(cands[i]) for i in positions]),
-        )
+        loads = [view.load(r) for r in cands]
 
-    def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int) -> RouteDecision:
+        def room(positions: Sequence[int]) -> list[int]:
+            return [round((1 - fill(cands[i])) * loads[i].capacity_blocks) for i in positions]  # type: ignore[misc]
+
+        return CandidateTable.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
+
+    def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0) -> RouteDecision:
         """The decision for a request of ``num_tokens`` tokens over ``table`` (the
         request path: each per-candidate pass is one comprehension or C call)."""
         cands = table.candidates
@@ -222,14 +225,15 @@ class KVRoutePolicy(Policy):
             if owners:
                 pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
         if pick < 0:
-            if not longest and table.fill is not None:
+            if not longest and table.room is not None:
                 eligible = [i for i, t in enumerate(ts) if t <= limit and (ok is None or ok[i])]
                 if len(eligible) > 1:
                     # A new prefix: TTFTs are near-ties, so place it where the cache has
-                    # the most room left, so it is not evicted before its group comes back.
-                    fills = table.fill(eligible)
-                    low = min(fills) + self.fill_slack
-                    eligible = [i for i, f in zip(eligible, fills) if f <= low]
+                    # the most room left (within fill_slack of this request's blocks),
+                    # so it is not evicted before its group comes back.
+                    rooms = table.room(eligible)
+                    high = max(rooms) - self.fill_slack * num_blocks
+                    eligible = [i for i, f in zip(eligible, rooms) if f >= high]
                 pick = min(eligible, key=lambda i: (ts[i], qlen[i], i))
             elif ts.count(best) == 1:  # the usual case: one fastest replica
                 pick = ts.index(best)

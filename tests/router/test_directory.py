@@ -246,5 +246,5 @@ def test_confirming_pending_and_removing_keep_owner_bits_exact():
     d.apply("b", 2, [], [], True)
     assert d.owners(H[0]) == [] and d.owners(H[1]) == ["a"] and d.owners(H[2]) == ["a"]
     assert d.num_blocks() == 2
-    fills = d.cache_fills(("a", "b"), [1, 0])
-    assert fills == [0.0, 2 / 100]
+    assert d.cache_rooms(("a", "b"), [1, 0]) == [100, 98]
+    assert d.cache_fill("a") == 0.02

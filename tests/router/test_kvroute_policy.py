@@ -209,3 +209,24 @@ def test_admission_blocked_owner_loses_while_someone_has_room():
     # kv_full above 1 disables it
     d = choose(View({"a": 64}, {"a": blocked, "b": roomy}), KVRoutePolicy(kv_full=1.01), cands=("a", "b"))
     assert d.replica_id == "a"
+
+
+def test_new_prefix_goes_to_the_roomiest_cache_within_half_a_request():
+    """Rooms are compared in blocks: within fill_slack x the request's blocks of the
+    roomiest cache counts as a tie, broken by TTFT, then queue, then order."""
+    r = Router(KVRoutePolicy(fill_slack=0.5), 16)
+    for rid in ("a", "b", "c"):
+        r.add_replica(rid, capacity_blocks=1000)
+    r.apply_snapshot("a", hash_blocks(SPEC, [7] * 16 * 100), seq=1)  # 100 unrelated blocks
+    r.apply_snapshot("b", hash_blocks(SPEC, [8] * 16 * 130), seq=1)  # 130: within 32 of a's room
+    r.apply_snapshot("c", hash_blocks(SPEC, [9] * 16 * 60), seq=1)  # the roomiest
+    view_rooms = r.directory.cache_rooms(("a", "b", "c"), [0, 1, 2])
+    assert view_rooms == [900, 870, 940]
+    h = H  # 64 blocks: slack 32 blocks
+    d = r.route(h, N)
+    assert (d.replica_id, d.reason) == ("c", "cold")  # 940 vs 900 / 870: only c within 32
+    # c now queues the first request's prefill (outside the TTFT slack) and holds its
+    # 64 blocks pending; of a (900) and b (870), only a is within 32 of the roomiest
+    toks = [5] * (16 * 64 + 10)
+    d = r.route(hash_blocks(SPEC, toks), len(toks))
+    assert (d.replica_id, d.reason) == ("a", "cold")
