@@ -89,9 +89,7 @@ class KVRoutePolicy(Policy):
         batch_slack_rel: float = BATCH_SLACK_REL,
         batch_slack_abs: int = BATCH_SLACK_ABS,
         kv_full: float = KV_FULL,
-        batch_base: str = "min",
     ) -> None:
-        self.batch_base = batch_base
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
         if default_decode_step_s < 0:
@@ -147,7 +145,7 @@ class KVRoutePolicy(Policy):
         """The most requests (waiting + running + routed since the last report) a
         replica may hold and still take one more: the lightest candidate's count times
         ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger."""
-        low = sum(queue_lens) / len(queue_lens) if self.batch_base == "mean" else min(queue_lens)
+        low = min(queue_lens)
         return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
 
     # ------------------------------------------------------------------ choice
