@@ -91,6 +91,15 @@ class EngineReplica:
 
         return await self.engine.between_steps(read)
 
+    async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
+        """Forget every cached block (between benchmark runs, so each starts cold); only
+        possible while no request holds a block. The router learns it from the next
+        snapshot or from the ``cleared`` flag of the next event batch."""
+        assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
+        engine = self.engine.engine
+        ok = await self.engine.between_steps(engine.reset_prefix_cache)
+        return {"replica_id": self.replica_id, "reset": bool(ok)}
+
     async def check_health(self) -> None:
         if self.engine.failure is not None:
             raise RuntimeError(f"engine step loop died: {self.engine.failure!r}")
@@ -181,8 +190,28 @@ def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
     return RequestRouterConfig()  # Serve's default: power of two choices
 
 
-def build_engine_deployment(config: ClusterConfig) -> serve.Application:
-    """The replica deployment bound to ``config`` (run it with ``serve.run``)."""
+def replica_version(config: ClusterConfig) -> str:
+    """A Serve deployment ``version`` for ``config`` that ignores the scaling and router
+    fields: redeploying with only those changed (another ``request_router_config`` or
+    ``router_policy``) keeps the running replicas and their caches (Serve only
+    reconfigures them), while any engine change gives a new version (new replicas)."""
+    import hashlib
+
+    neutral = dataclasses.replace(
+        config, num_replicas=1, autoscaling_config=None, request_router="kvroute", router_policy="kvroute",
+        router_policy_kwargs={},
+    )
+    return hashlib.sha256(repr(neutral).encode()).hexdigest()[:16]
+
+
+def build_engine_deployment(config: ClusterConfig, version: str | None = None) -> serve.Application:
+    """The replica deployment bound to ``config`` (run it with ``serve.run``).
+
+    ``version`` (e.g. :func:`replica_version`) pins Serve's code version: without it
+    every ``serve.run`` replaces every replica, since ``serve.run`` draws a random
+    version for a deployment that has none. With it, Serve compares only the version
+    and the deployment options: the init args (``config``) of running replicas are
+    kept as they were, which is why the version must cover every field they use."""
     options: dict[str, Any] = {
         "name": config.deployment_name,
         "max_ongoing_requests": config.max_ongoing_requests,
@@ -198,4 +227,9 @@ def build_engine_deployment(config: ClusterConfig) -> serve.Application:
     # Replicas get the config with the scaling fields neutral: a change of replica count
     # must not look like new code to Serve (which would replace every replica).
     replica_config = dataclasses.replace(config, num_replicas=1, autoscaling_config=None)
-    return serve.deployment(EngineReplica).options(**options).bind(replica_config)
+    deployment = serve.deployment(EngineReplica).options(**options)
+    if version is not None:
+        # Ray 2.60 took `version` out of the public options; Serve itself still sets it
+        # this way (a second call, so the user-configured option names stay as above).
+        deployment = deployment.options(_internal=True, version=version)
+    return deployment.bind(replica_config)

@@ -49,7 +49,8 @@ class RouterService:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.hash_spec = hash_spec
-        self.router = Router(policy, hash_spec.block_size, clock=clock, **(policy_kwargs or {}))
+        self.policy, self.policy_kwargs = policy, dict(policy_kwargs or {})
+        self.router = Router(policy, hash_spec.block_size, clock=clock, **self.policy_kwargs)
         self.replica_timeout_s = replica_timeout_s
         self.clock = clock
         self._last_seen: dict[str, float] = {}
@@ -57,6 +58,16 @@ class RouterService:
         self.started_at = clock()
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
         self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
+
+    def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
+        """Start over with an empty directory (and optionally another policy): every
+        replica's next push is refused, so it registers again with a fresh snapshot.
+        Benchmarks call this between runs so that each router starts cold."""
+        if policy is not None:
+            self.policy, self.policy_kwargs = policy, dict(policy_kwargs or {})
+        self.router = Router(self.policy, self.hash_spec.block_size, clock=self.clock, **self.policy_kwargs)
+        self._last_seen.clear()
+        self._metrics.clear()
 
     # ------------------------------------------------------------------ replicas
     def register(

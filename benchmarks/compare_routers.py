@@ -1,0 +1,500 @@
+"""Routers side by side on ONE set of engine replicas: the same workload, at the same
+request rates, through kvroute's router, round robin, power of two (Ray Serve's
+default) and Ray Serve LLM's real ``PrefixCacheAffinityRouter``; and, when the
+``sglang-router`` package is installed, SGLang's real router (``--policy
+cache_aware``) in front of single-engine servers (``kvroute serve-replica``) on the
+same engine settings.
+
+How one fleet serves every router: the engine deployment gets a pinned Serve
+``version`` that ignores the router fields (``replica_version``), so redeploying the
+application with another ``request_router_config`` / ``router_policy`` only
+reconfigures the running replicas (Serve's ``NeedsActorReconfigure`` update); the
+HTTP ingress, which holds the handle whose request router routes, is replaced and so
+builds the new router. Before every run each replica's prefix cache is reset
+(``EngineReplica.reset_prefix_cache``, addressed through a control handle built while
+kvroute's request router was active), the router actor's directory is emptied and
+Ray's prefix-tree actor is killed, so every router starts cold. The JSON records the
+replica ids seen in every run: they must be the same set.
+
+Outputs (``--out-dir``, default ``results/compare_routers/<workload>``): one JSON per
+router and rate, ``combined.json`` (table rows + target ratios), ``table.md`` and PNG
+plots (``ttft_cdf.png``, ``hit_rate.png``, ``ttft_vs_rate.png``).
+
+Locally (starts a Ray cluster):
+    python -m kvroute.benchmarks.compare_routers --gsp-num-groups 16 ...
+As a Ray job (``ray start --head --num-cpus 4``):
+    ray job submit --working-dir . -- python -m kvroute.benchmarks.compare_routers ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from kvroute.benchmarks import serving
+from kvroute.benchmarks import workloads as wl
+
+SERVE_ROUTERS = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
+EXTERNAL_ROUTERS = ("sglang_router",)
+SERVED_NAME = "kvroute-bench"
+_CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def external_available(name: str) -> bool:
+    import importlib.util
+
+    if name == "sglang_router":
+        return importlib.util.find_spec("sglang_router") is not None
+    return False
+
+
+# ---------------------------------------------------------------------- Serve fleet
+class ServeFleet:
+    """One kvroute Serve application whose router is swapped between runs while the
+    engine replicas stay up."""
+
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        self.app_name = args.app_name
+        self.base_url = f"http://127.0.0.1:{args.http_port}/{self.app_name}"
+        self.replica_ids: list[str] = []
+        self._control = None  # handle whose request router is kvroute's (addressed calls)
+
+    def app_args(self, router: str) -> Any:
+        from kvroute.deploy.app import parse_args, router_choice
+
+        route = router_choice(router)
+        return parse_args({
+            "app_name": self.app_name,
+            "llm_configs": [{
+                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.args.model},
+                "engine_kwargs": self.engine_kwargs,
+                "deployment_config": {
+                    "num_replicas": self.args.replicas,
+                    "ray_actor_options": {"num_cpus": self.args.num_cpus_per_replica},
+                    "request_router_config": {"request_router_class": route["request_router_class"]},
+                    "max_ongoing_requests": self.args.max_ongoing_requests,
+                },
+                "router_policy": route["router_policy"],
+                "torch_threads": self.args.torch_threads,
+            }],
+            "ingress": {"num_cpus": 0.1},
+        })
+
+    def build(self, router: str) -> Any:
+        """``deploy.app.build_app`` with the engine deployment's version pinned."""
+        from ray import serve
+
+        from kvroute.cluster.replica_deployment import build_engine_deployment, replica_version
+        from kvroute.deploy.app import OpenAIIngress
+
+        parsed = self.app_args(router)
+        config = parsed.cluster_config()
+        engines = build_engine_deployment(config, version=replica_version(config))
+        ingress = serve.deployment(OpenAIIngress).options(
+            name="OpenAIIngress",
+            num_replicas=parsed.ingress.num_replicas,
+            max_ongoing_requests=parsed.ingress.max_ongoing_requests,
+            ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
+            # between runs the old ingress is idle: no need to wait out Serve's drain loop
+            graceful_shutdown_wait_loop_s=0.2,
+            graceful_shutdown_timeout_s=5.0,
+        )
+        return ingress.bind(parsed.model_dump(), config, engines), config
+
+    def deploy(self, router: str) -> None:
+        from ray import serve
+
+        app, self.config = self.build(router)
+        self._kill_prefix_tree_actor()  # Ray's router keeps its tree in a detached actor
+        serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
+        if self._control is None:
+            self._control = serve.get_deployment_handle(self.config.deployment_name, app_name=self.app_name)
+
+    def router_actor(self) -> Any:
+        import ray
+
+        from kvroute.cluster.messages import ROUTER_NAMESPACE
+
+        return ray.get_actor(self.config.router_actor_name, namespace=ROUTER_NAMESPACE)
+
+    def registered(self) -> list[str]:
+        import ray
+
+        return sorted(ray.get(self.router_actor().replicas.remote()))
+
+    def wait_registered(self, n: int, timeout_s: float = 120.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = self.registered()
+            if len(ids) >= n:
+                return ids
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(ids)} of {n} replicas registered with the router after {timeout_s} s")
+            time.sleep(0.2)
+
+    def prepare(self, router: str) -> dict[str, Any]:
+        """Deploy ``router`` and make every replica and router state cold."""
+        import ray
+
+        from kvroute.cluster.messages import ReplicaCall
+        from kvroute.deploy.app import router_choice
+
+        t0 = time.perf_counter()
+        self.deploy(router)
+        t_deploy = time.perf_counter() - t0
+        ids = self.wait_registered(self.args.replicas)
+        if not self.replica_ids:
+            self.replica_ids = ids
+        elif ids != self.replica_ids:
+            raise RuntimeError(f"the replicas changed across a router swap: {self.replica_ids} -> {ids}")
+
+        async def reset_all() -> list[dict[str, Any]]:
+            out = []
+            for rid in self.replica_ids:
+                for attempt in range(50):  # a replica still finishing or being reconfigured
+                    try:
+                        r = await asyncio.wait_for(self._control.reset_prefix_cache.remote(ReplicaCall(rid)), 30)
+                    except Exception:
+                        if attempt == 49:
+                            raise
+                        await asyncio.sleep(0.2)
+                        continue
+                    if r["reset"]:
+                        out.append(r)
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise RuntimeError(f"replica {rid} kept blocks in use: cannot reset its prefix cache")
+            return out
+
+        resets = asyncio.run(reset_all())
+        assert sorted(r["replica_id"] for r in resets) == self.replica_ids, resets
+        ray.get(self.router_actor().reset.remote(router_choice(router)["router_policy"], {}))
+        after = self.wait_registered(self.args.replicas)
+        assert after == self.replica_ids, (after, self.replica_ids)
+        for rid in self.replica_ids:  # the directory starts empty
+            assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
+        t_reset = time.perf_counter() - t0 - t_deploy
+        warm_up(self.base_url, self.args.replicas)
+        return {"replica_ids": list(self.replica_ids), "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy,
+                "reset_s": t_reset}
+
+    def _kill_prefix_tree_actor(self) -> None:
+        import ray
+
+        namespace = f"serve::{self.app_name}::{self.args.deployment_name}"
+        try:
+            ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        from ray import serve
+
+        from kvroute.cluster.router_actor import kill_router_actor
+
+        try:
+            serve.delete(self.app_name)
+        finally:
+            kill_router_actor(f"kvroute-router:{self.app_name}")
+            self._kill_prefix_tree_actor()
+
+
+def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
+    """A few requests shorter than one block (nothing gets cached): the new ingress and
+    its handle are up before the clock starts."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    while sent < n:
+        try:
+            r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": [101, 102, 103],
+                                                               "max_tokens": 1, "temperature": 0}, timeout=60)
+            if r.status_code == 200:
+                sent += 1
+                continue
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url} did not answer a warm-up request within {timeout_s} s")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------- external router
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode} before {url} answered")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+        time.sleep(0.5)
+
+
+def start_external(args: argparse.Namespace, engine_kwargs: dict[str, Any], router: str) -> tuple[str, list[subprocess.Popen]]:
+    """Start ``--replicas`` single-engine servers and ``router`` in front of them; returns
+    the router's base URL and the processes (stop them with :func:`stop_procs`)."""
+    assert router == "sglang_router", router
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
+    flags = ["--model", args.model, "--served-model-name", SERVED_NAME, "--block-size", str(engine_kwargs.get("block_size", 16))]
+    for key in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed"):
+        if engine_kwargs.get(key) is not None:
+            flags += [f"--{key.replace('_', '-')}", str(engine_kwargs[key])]
+    procs: list[subprocess.Popen] = []
+    urls = []
+    try:
+        for i in range(args.replicas):
+            port = _free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags,
+                                           "--replica-id", f"ext-{i}", "--port", str(port)], env=env))
+        for url in urls:
+            _wait_http(url + "/health", procs, 300)
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                       "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(base + "/v1/models", procs, 120)
+        warm_up(base, args.replicas)
+        return base, procs
+    except BaseException:
+        stop_procs(procs)
+        raise
+
+
+def stop_procs(procs: Sequence[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in reversed(procs):
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+# ---------------------------------------------------------------------- results
+def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for key, r in results.items():
+        rows.append({
+            "run": key, "router": r["router"], "rate": r["request_rate"], "completed": r["completed"], "failed": r["failed"],
+            "hit_rate": r["prefix_cache_hit_rate"], "best_hit_rate": r["best_prefix_cache_hit_rate"],
+            "req_s": r["request_throughput"], "out_tok_s": r["output_throughput"],
+            "ttft_median_ms": r["median_ttft_ms"], "ttft_p90_ms": r.get("p90_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
+            "tpot_median_ms": r["median_tpot_ms"], "e2el_median_ms": r["median_e2el_ms"],
+        })
+    return rows
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    cols = [("router", "router", "{}"), ("rate", "rate", "{}"), ("ok", "completed", "{}"), ("err", "failed", "{}"),
+            ("hit", "hit_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
+            ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
+            ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
+    head = "| " + " | ".join(c[0] for c in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    body = []
+    for r in rows:
+        cells = []
+        for _, key, fmt in cols:
+            v = r.get(key)
+            cells.append("n/a" if v is None else fmt.format(v))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *body])
+
+
+def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, Any]:
+    """At one rate: kvroute's hit rate vs the best possible, its p90 TTFT vs the best of
+    the others, and its p90 TTFT / throughput vs power of two."""
+    at = {r["router"]: r for r in results.values() if r["request_rate"] == rate}
+    k = at.get("kvroute")
+    if k is None:
+        return {}
+    out: dict[str, Any] = {"rate": rate}
+    if k["prefix_cache_hit_rate"] is not None and k["best_prefix_cache_hit_rate"]:
+        out["kvroute_hit_over_best"] = k["prefix_cache_hit_rate"] / k["best_prefix_cache_hit_rate"]
+    others = {n: r for n, r in at.items() if n != "kvroute" and r["completed"]}
+    if others:
+        best_name = min(others, key=lambda n: others[n]["p90_ttft_ms"])
+        out["best_other_router"] = best_name
+        out["kvroute_p90_ttft_over_best_other"] = k["p90_ttft_ms"] / max(others[best_name]["p90_ttft_ms"], 1e-9)
+    p2 = at.get("power_of_two")
+    if p2 is not None and p2["completed"]:
+        out["kvroute_p90_ttft_over_power_of_two"] = k["p90_ttft_ms"] / max(p2["p90_ttft_ms"], 1e-9)
+        out["kvroute_throughput_over_power_of_two"] = k["request_throughput"] / max(p2["request_throughput"], 1e-9)
+    out["errors"] = sum(r["failed"] for r in at.values())
+    return out
+
+
+def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    from kvroute.benchmarks import serving_plots as plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for key, r in results.items():
+        serving.write_json(r, out_dir / f"{key}.json")
+    rows = table_rows(results)
+    rates = sorted({r["request_rate"] for r in results.values()}, key=lambda x: math.inf if x == "inf" else float(x))
+    targets = [target_ratios(results, rate) for rate in rates]
+    table = format_rows(rows)
+    (out_dir / "table.md").write_text(table + "\n")
+    top = rates[-1]
+    plots.ttft_cdf({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "ttft_cdf.png")
+    plots.hit_rates({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "hit_rate.png")
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for r in results.values():
+        by_router.setdefault(r["router"], []).append(r)
+    plots.ttft_vs_rate(by_router, out_dir / "ttft_vs_rate.png")
+    combined = {"benchmark": "compare_routers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "rows": rows, "targets": targets}
+    (out_dir / "combined.json").write_text(json.dumps(combined, indent=1))
+    return combined
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.compare_routers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint folder")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--max-ongoing-requests", type=int, default=64)
+    p.add_argument("--engine-kwargs", default='{"block_size": 16}', help="EngineConfig fields as JSON (every router's engines)")
+    p.add_argument("--routers", default=None,
+                   help=f"comma list of {SERVE_ROUTERS + EXTERNAL_ROUTERS} (default: the four Serve routers, plus "
+                        "sglang_router when the sglang-router package is installed)")
+    p.add_argument("--request-rates", default=None, help="comma list of request rates to sweep (default: --request-rate)")
+    p.add_argument("--app-name", default="kvroute-bench")
+    p.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
+    p.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, as in a Ray job, else start one)")
+    p.add_argument("--out-dir", default=None, help="default: results/compare_routers/<workload>")
+    p.add_argument("--label", default=None)
+    serving.add_workload_args(p)
+    serving.add_load_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    workload = serving.workload_from_args(args)
+    config = serving.load_config_from_args(args)
+    engine_kwargs = dict(json.loads(args.engine_kwargs))
+    engine_kwargs.setdefault("hash_seed", secrets.randbits(63))  # one seed for every redeploy
+    config = serving.LoadConfig(**{**config.__dict__, "block_size": int(engine_kwargs.get("block_size", 16))})
+    decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
+    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
+        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
+    unknown = [r for r in routers if r not in SERVE_ROUTERS + EXTERNAL_ROUTERS]
+    if unknown:
+        raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + EXTERNAL_ROUTERS}")
+    missing = [r for r in routers if r in EXTERNAL_ROUTERS and not external_available(r)]
+    if missing:
+        raise ValueError(f"{missing} not installed (pip install sglang-router)")
+    rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
+    label = args.label or workload.name
+    out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        pass  # a caller (a test, a notebook) already joined a cluster
+    elif address:
+        ray.init(address=address, logging_level="warning")
+    else:  # logical CPUs: room for every replica and the ingress even on a small machine
+        need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 2))
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
+    serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+
+    serve_routers = [r for r in routers if r in SERVE_ROUTERS]
+    fleet = ServeFleet(args, engine_kwargs)
+    results: dict[str, dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    try:
+        if serve_routers and serve_routers[0] != "kvroute":
+            fleet.prepare("kvroute")  # the control handle must be built under kvroute's request router
+        for rate in rates:
+            rate_cfg = serving.LoadConfig(**{**config.__dict__, "request_rate": rate})
+            for router in serve_routers:
+                info = fleet.prepare(router)
+                print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
+                r = asyncio.run(serving.benchmark(fleet.base_url, workload, rate_cfg, SERVED_NAME, decode))
+                results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve", **info, **r}
+                print(f"  {router}: {serving.summary_line(r)}", flush=True)
+    finally:
+        if serve_routers:
+            fleet.close()
+    for router in (r for r in routers if r in EXTERNAL_ROUTERS):
+        for rate in rates:
+            rate_cfg = serving.LoadConfig(**{**config.__dict__, "request_rate": rate})
+            base, procs = start_external(args, engine_kwargs, router)
+            try:
+                print(f"compare_routers: {router} at {rate} req/s…", flush=True)
+                r = asyncio.run(serving.benchmark(base, workload, rate_cfg, SERVED_NAME, decode))
+            finally:
+                stop_procs(procs)
+            results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve-replica processes", **r}
+            print(f"  {router}: {serving.summary_line(r)}", flush=True)
+    meta = {
+        "label": label, "workload": workload.name, "workload_params": workload.params, "model": args.model,
+        "replicas": args.replicas, "torch_threads": args.torch_threads, "engine_kwargs": engine_kwargs,
+        "routers": routers, "request_rates": rates, "max_concurrency": config.max_concurrency,
+        "same_replicas_for_every_serve_router": bool(fleet.replica_ids), "replica_ids": fleet.replica_ids,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    from kvroute.benchmarks.common import machine
+
+    meta["machine"] = machine()
+    combined = write_outputs(out_dir, results, meta)
+    print(format_rows(combined["rows"]))
+    for t in combined["targets"]:
+        print("targets:", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}))
+    combined["out_dir"] = str(out_dir)
+    return combined
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        combined = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t = combined["targets"][-1] if combined["targets"] else {}
+    line = ", ".join(f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float) and k != "rate")
+    errors = sum(r["failed"] for r in combined["rows"])
+    print(f"compare_routers[{combined['label']}]: {len(combined['rows'])} runs, {errors} errors; {line}  [{combined['out_dir']}]")
+    return 0 if errors == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

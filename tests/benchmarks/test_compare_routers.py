@@ -1,0 +1,50 @@
+"""The router comparison end to end on a tiny model: two routers on one set of Serve
+replicas (the same replica ids in both runs, each started cold), a table, JSON per
+router and the plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("httpx")
+
+from kvroute.benchmarks import compare_routers  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_routers_on_one_fleet_write_a_table(ray_cluster, tiny_llama_path, tmp_path, capsys):
+    port = ray_cluster.rsplit(":", 1)[1]
+    out = tmp_path / "cmp"
+    rc = compare_routers.main([
+        "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "kvroute,power_of_two",
+        "--engine-kwargs", json.dumps({"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}),
+        "--app-name", "cmpbench", "--http-port", port, "--out-dir", str(out),
+        "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "4",
+        "--gsp-system-prompt-len", "48", "--gsp-question-len", "8", "--gsp-output-len", "4",
+        "--request-rate", "20", "--max-concurrency", "1", "--disable-tqdm",
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "compare_routers[generated-shared-prefix]: 2 runs, 0 errors" in printed
+    combined = json.loads((out / "combined.json").read_text())
+    assert [r["router"] for r in combined["rows"]] == ["kvroute", "power_of_two"]
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in combined["rows"])
+    runs = {r["router"]: json.loads((out / f"{r['run']}.json").read_text()) for r in combined["rows"]}
+    assert runs["kvroute"]["replica_ids"] == runs["power_of_two"]["replica_ids"] == combined["replica_ids"]
+    assert len(combined["replica_ids"]) == 2
+    # each run starts cold: its first request of each group finds nothing cached
+    for r in runs.values():
+        assert 0 < r["prefix_cache_hit_rate"] <= r["best_prefix_cache_hit_rate"]
+    # kvroute keeps each group on one replica: one at a time, every later request of a
+    # group finds its system prompt
+    assert runs["kvroute"]["prefix_cache_hit_rate"] >= 0.95 * runs["kvroute"]["best_prefix_cache_hit_rate"]
+    table = (out / "table.md").read_text()
+    assert table.startswith("| router |") and "kvroute" in table and "power_of_two" in table
+    t = combined["targets"][0]
+    assert t["errors"] == 0 and "kvroute_p90_ttft_over_power_of_two" in t
+    for name in ("ttft_cdf.png", "hit_rate.png", "ttft_vs_rate.png"):
+        assert (out / name).read_bytes().startswith(PNG_MAGIC), name
