@@ -109,6 +109,38 @@ def test_replica_side_errors_are_400_and_unknown_model_404(app):
     assert resp.status_code == 404
 
 
+def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
+    """The ingress' readiness is the router actor's: 503 in the envelope while it knows
+    no replica (all starting, or all lost), 200 once one registered."""
+    from kvroute.cluster.config import ClusterConfig
+    from kvroute.cluster.router_actor import get_or_create_router_actor
+    from kvroute.deploy.api import build_api
+    from kvroute.deploy.app import ClusterBackend
+    from kvroute.deploy.serving import OpenAIServing
+    from kvroute.replica.config import EngineConfig
+    from kvroute.replica.weights import load_tokenizer
+    from tests.deploy.server import running
+
+    config = ClusterConfig(engine=EngineConfig(model=str(tiny_llama_path)), app_name="kvhealth")
+    router = get_or_create_router_actor(config)
+    try:
+        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, router))
+
+        async def no_metrics():
+            return b"", "text/plain"
+
+        with running(build_api(serving, no_metrics)) as url:
+            resp = httpx.get(url + "/health", timeout=30)
+            assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable_error"
+            assert resp.headers["Retry-After"] == "1"
+            ray.get(router.register.remote("r1", config.hash_spec, 16, [], 0))
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            ray.get(router.remove_replica.remote("r1"))
+            assert httpx.get(url + "/health", timeout=30).status_code == 503
+    finally:
+        kill_router_actor(config.router_actor_name)
+
+
 def test_client_disconnect_frees_blocks_on_the_replica(app):
     url, router, parsed = app
     config = parsed.cluster_config()
