@@ -95,6 +95,7 @@ class BlockDirectory:
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
+        self._room: list[int] = []  # by bit: capacity - confirmed - pending, kept current
         self._cand_key: object = None  # last candidate list seen by match, and its (reps, mask)
         self._cand_val: tuple[list[_Replica], int, dict[int, int] | None] = ([], 0, {})
         self._expiry: deque[tuple[float, _Replica, list[int]]] = deque()  # one per add_pending call
@@ -113,6 +114,9 @@ class BlockDirectory:
         rep = _Replica(ReplicaId(replica_id), bit, capacity_blocks)
         rep.mask = self._intern(rep.mask)
         self._replicas[rep.rid] = rep
+        if bit == len(self._room):
+            self._room.append(0)
+        self._sync_room(rep)
         self._cand_key = None
 
     def remove_replica(self, replica_id: str) -> None:
@@ -144,6 +148,7 @@ class BlockDirectory:
         rep = self._get(replica_id)
         rep.capacity = capacity_blocks
         self._evict_over_capacity(rep)
+        self._sync_room(rep)
 
     # ------------------------------------------------------------------ events
     def apply(
@@ -202,6 +207,7 @@ class BlockDirectory:
                     lru[h] = None
         if len(lru) > rep.capacity:
             self._evict_over_capacity(rep)
+        self._room[rep.bit] = rep.capacity - len(lru) - len(pending)
         return True
 
     def apply_snapshot(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
@@ -225,6 +231,7 @@ class BlockDirectory:
         rep.stale = False
         rep.after_snapshot = True
         self._evict_over_capacity(rep)
+        self._sync_room(rep)
 
     def is_stale(self, replica_id: str) -> bool:
         return self._get(replica_id).stale
@@ -262,6 +269,7 @@ class BlockDirectory:
             new = tail if type(tail) is list and tail is not block_hashes else list(tail)  # kept by _expiry
             pending.update(zip(new, repeat(deadline)))
             self._expiry.append((deadline, rep, new))
+            self._room[rep.bit] = rep.capacity - len(rep.lru) - len(pending)
             return len(new)
         lru = rep.lru
         intern = self._intern
@@ -283,6 +291,7 @@ class BlockDirectory:
             new.append(h)
         if new:
             self._expiry.append((deadline, rep, new))
+        self._room[rep.bit] = rep.capacity - len(lru) - len(pending)
         return fresh
 
     def purge_expired(self, now: float | None = None) -> int:
@@ -305,6 +314,7 @@ class BlockDirectory:
                 if h not in rep.lru:
                     self._clear(owners, h, keep)
                 n += 1
+            self._sync_room(rep)
         return n
 
     # ------------------------------------------------------------------ queries
@@ -386,12 +396,11 @@ class BlockDirectory:
     def cache_rooms(self, candidates: Sequence[str], positions: Sequence[int]) -> list[int]:
         """Blocks of room left in the cache of ``candidates[i]`` (capacity - confirmed -
         pending, may be negative) for each ``i`` in ``positions``."""
+        room = self._room
         if candidates is self._cand_key:
             reps = self._cand_val[0]
-            chosen = [reps[i] for i in positions]
-        else:
-            chosen = [self._get(candidates[i]) for i in positions]
-        return [r.capacity - len(r.lru) - len(r.pending) for r in chosen]
+            return [room[reps[i].bit] for i in positions]
+        return [room[self._get(candidates[i]).bit] for i in positions]
 
     def num_blocks(self) -> int:
         """Distinct hashes with at least one owner."""
@@ -449,6 +458,9 @@ class BlockDirectory:
             owners[h] = self._intern(m)
         else:
             owners.pop(h, None)
+
+    def _sync_room(self, rep: _Replica) -> None:
+        self._room[rep.bit] = rep.capacity - len(rep.lru) - len(rep.pending)
 
     def _evict_over_capacity(self, rep: _Replica) -> None:
         lru = rep.lru

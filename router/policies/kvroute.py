@@ -60,7 +60,8 @@ rest.
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import compress, repeat
+from operator import and_, le
 from typing import Any, ClassVar, Sequence
 
 from kvroute.router.policy import ClusterView, Policy
@@ -224,7 +225,8 @@ class KVRoutePolicy(Policy):
                 pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
         if pick < 0:
             if not longest and table.room is not None:
-                eligible = [i for i, t in enumerate(ts) if t <= limit and (ok is None or ok[i])]
+                near = map(le, ts, repeat(limit))
+                eligible = list(compress(range(len(ts)), near if ok is None else map(and_, near, ok)))
                 if len(eligible) > 1:
                     # A new prefix: TTFTs are near-ties, so place it where the cache has
                     # the most room left (within fill_slack of this request's blocks),

@@ -198,6 +198,8 @@ def test_match_agrees_with_brute_force_on_random_states():
             want[c] = k
         assert d.match(req, cands) == want
         assert d.match(req, tuple(cands)) == want
+        names = sorted(held)
+        assert d.cache_rooms(names, range(6)) == [100 - len(d.confirmed(r)) - len(d.pending(r)) for r in names]
 
 
 def test_match_runs_of_owner_sets_that_grow_back():
@@ -248,3 +250,27 @@ def test_confirming_pending_and_removing_keep_owner_bits_exact():
     assert d.num_blocks() == 2
     assert d.cache_rooms(("a", "b"), [1, 0]) == [100, 98]
     assert d.cache_fill("a") == 0.02
+
+
+def test_cache_rooms_follow_every_change():
+    d, clock = make("a", "b", capacity=10, ttl=5.0)
+
+    def rooms():
+        return d.cache_rooms(["a", "b"], [0, 1])
+
+    assert rooms() == [10, 10]
+    d.add_pending("a", H[:3])
+    assert rooms() == [7, 10]
+    d.apply("a", 1, H[:2], [], False)  # confirms 2 of the 3 pending
+    assert rooms() == [7, 10]
+    d.apply("b", 1, H[:8] + G[:4], [], False)  # past capacity: LRU keeps 10
+    assert rooms() == [7, 0] and len(d.confirmed("b")) == 10
+    clock.t += 5.0
+    assert d.purge_expired() == 1 and rooms() == [8, 0]
+    d.set_capacity("b", 4)
+    assert rooms() == [8, 0] and d.confirmed("b") == G[:4]
+    d.apply_snapshot("a", [G[0]], seq=1)
+    assert rooms() == [9, 0]
+    d.remove_replica("a")
+    d.add_replica("c", 6)
+    assert d.cache_rooms(("c", "b"), [0, 1]) == [6, 0]
