@@ -67,7 +67,6 @@ class KVRouteClient:
         *,
         request_id: str | None = None,
         prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
         route: RouteTrace | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream one request. ``route``, when given, is filled in with where the request
@@ -79,7 +78,7 @@ class KVRouteClient:
             raise ValueError("prompt must not be empty (got 0 tokens)")
         rid = RequestId(request_id or uuid.uuid4().hex)
         hashes = hash_blocks(self.hash_spec, ids, cache_salt)  # full blocks, as the engine hashes them
-        if prompt is None and messages is None:
+        if prompt is None:
             prompt = " ".join(map(str, ids))  # text stand-in for text-matching routers
         streamed: list[int] = []
         attempt = 0
@@ -93,7 +92,6 @@ class KVRouteClient:
                 cache_salt=cache_salt,
                 resume_output=list(streamed),
                 prompt=prompt,
-                messages=messages,
             )
             response = self._stream_handle.generate.remote(request)
             finished = False

@@ -5,7 +5,7 @@ caller can act on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.sampling_params import SamplingParams
@@ -20,8 +20,10 @@ class GenerateRequest:
     ``block_hashes`` are the prompt's full-block hashes under the cluster's HashSpec,
     computed once by the caller; the request router ranks replicas with them.
     ``resume_output`` holds tokens already streamed by a replica that died (the new one
-    continues after them). ``prompt`` / ``messages`` carry the text for routers that
-    match on text (Ray Serve's PrefixCacheAffinityRouter reads these attributes).
+    continues after them). ``prompt`` is a text form of the prompt for routers that
+    match on text: Ray Serve's PrefixCacheAffinityRouter reads the first of the
+    attributes ``messages`` / ``prompt`` a request argument has, so this class must not
+    have a ``messages`` attribute (it would be read even when None, and fail).
     """
 
     request_id: str
@@ -31,7 +33,6 @@ class GenerateRequest:
     cache_salt: str | None = None
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
     # Written by the caller's Serve request router (it runs in the caller's process and
     # sees this very object), read back by the client: where the request went and why.
     route: "RouteTrace | None" = None

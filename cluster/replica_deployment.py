@@ -186,7 +186,11 @@ def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
             },
         )
     if config.request_router == "prefix_affinity_ray":
-        return RequestRouterConfig(request_router_class="ray.serve.llm.request_router.PrefixCacheAffinityRouter")
+        # The implementation module of Ray's public ray.serve.llm.request_router alias:
+        # importing the alias requires vLLM or SGLang, the router itself needs neither.
+        return RequestRouterConfig(
+            request_router_class="ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+        )
     return RequestRouterConfig()  # Serve's default: power of two choices
 
 

@@ -140,7 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Logical CPUs are bookkeeping: give Ray room for every replica plus the ingress
         # even on a small machine (each replica still runs num_cpus torch threads).
         need = int(args.replicas * args.num_cpus_per_replica + 2)
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
     print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
     serve.run(build_app(app_args), name=args.app_name, route_prefix="/")

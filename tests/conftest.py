@@ -176,7 +176,8 @@ def ray_cluster():
     ray = pytest.importorskip("ray", reason="needs ray[serve] (pip install -e .[serve])")
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # address="local": always a fresh cluster of our own, even where `ray start` left one running.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -188,3 +188,23 @@ def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_
     finally:
         serve.delete(name)
         kill_router_actor(f"kvroute-router:{name}")
+
+
+def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path):
+    """`--router prefix_affinity_ray`: Ray's own PrefixCacheAffinityRouter routes the
+    same application (it matches on the prompt text the client attaches)."""
+    from kvroute.deploy.app import router_choice
+
+    name = "kvhttp-ray-router"
+    route = router_choice("prefix_affinity_ray")
+    args = _args(tiny_llama_path, name, request_router_config={"request_router_class": route["request_router_class"]})
+    serve.run(build_app(args), name=name, route_prefix="/rayrouter")
+    try:
+        client = openai.OpenAI(base_url=ray_cluster + "/rayrouter/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = "Shared instructions for the affinity router to match on. " * 6
+        outs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0) for _ in range(3)]
+        assert all(o.usage.completion_tokens == 3 for o in outs)
+        assert len({o.choices[0].text for o in outs}) == 1
+    finally:
+        serve.delete(name)
+        kill_router_actor(f"kvroute-router:{name}")
