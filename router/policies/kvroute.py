@@ -61,7 +61,7 @@ rest.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import and_, le
+from operator import and_, eq, le
 from typing import Any, ClassVar, Sequence
 
 from kvroute.router.policy import ClusterView, Policy
@@ -149,6 +149,17 @@ class KVRoutePolicy(Policy):
         low = min(queue_lens)
         return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
 
+    @staticmethod
+    def _fastest(positions: list[int], ts: list[float], qlen: Sequence[int]) -> int:
+        """The position with the smallest TTFT, then the shorter queue, then the first
+        (``positions`` ascending): ``min`` by ``(ts, qlen, i)`` in C-level passes."""
+        sub = [ts[i] for i in positions]
+        m = min(sub)
+        if sub.count(m) == 1:
+            return positions[sub.index(m)]
+        tied = list(compress(positions, map(eq, sub, repeat(m))))
+        return min(tied, key=qlen.__getitem__)  # min keeps the first of equal keys
+
     # ------------------------------------------------------------------ choice
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
         build = getattr(view, "candidate_table", None)
@@ -234,13 +245,12 @@ class KVRoutePolicy(Policy):
                     rooms = table.room(eligible)
                     high = max(rooms) - self.fill_slack * num_blocks
                     eligible = [i for i, f in zip(eligible, rooms) if f >= high]
-                pick = min(eligible, key=lambda i: (ts[i], qlen[i], i))
+                pick = self._fastest(eligible, ts, qlen)
             elif ts.count(best) == 1:  # the usual case: one fastest replica
                 pick = ts.index(best)
             else:
-                pick = min(
-                    (i for i, t in enumerate(ts) if t == best and (ok is None or ok[i])), key=lambda i: (qlen[i], i)
-                )
+                tied = [i for i, t in enumerate(ts) if t == best and (ok is None or ok[i])]
+                pick = min(tied, key=qlen.__getitem__)  # the first of the shortest queues
         c = cached.get(pick, 0)
         if not longest:
             reason = "cold"
