@@ -116,6 +116,10 @@ class ServeFleet:
         from ray import serve
 
         app, self.config = self.build(router)
+        if self._control is None:
+            # a run that was stopped leaves its app and detached actors behind (a router
+            # actor with another hash seed would refuse these replicas): start clean
+            self.close()
         self._kill_prefix_tree_actor()  # Ray's router keeps its tree in a detached actor
         serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
         if self._control is None:
@@ -205,7 +209,8 @@ class ServeFleet:
         from kvroute.cluster.router_actor import kill_router_actor
 
         try:
-            serve.delete(self.app_name)
+            if self.app_name in serve.status().applications:
+                serve.delete(self.app_name)
         finally:
             kill_router_actor(f"kvroute-router:{self.app_name}")
             self._kill_prefix_tree_actor()

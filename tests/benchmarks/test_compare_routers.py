@@ -48,3 +48,42 @@ def test_two_routers_on_one_fleet_write_a_table(ray_cluster, tiny_llama_path, tm
     assert t["errors"] == 0 and "kvroute_p90_ttft_over_power_of_two" in t
     for name in ("ttft_cdf.png", "hit_rate.png", "ttft_vs_rate.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
+
+
+def test_router_service_reset_empties_the_directory_and_switches_policy():
+    from kvroute.cluster.router_actor import RouterService
+    from kvroute.replica.block_hash import BlockHash, HashSpec
+    from kvroute.replica.kv_events import KVEvents
+
+    spec = HashSpec(4, 123, "m")
+    svc = RouterService(spec, "kvroute", clock=lambda: 0.0)
+    svc.register("a", spec, 10, [BlockHash(1)], 0)
+    svc.register("b", spec, 10, [], 0)
+    svc.reset("round_robin")
+    assert svc.replicas() == [] and svc.policy == "round_robin"
+    assert svc.push(KVEvents("a", 1, [BlockHash(2)])) is False  # unknown now: register again
+    svc.register("a", spec, 10, [], 1)
+    svc.register("b", spec, 10, [], 0)
+    assert svc.directory("a") == [] and svc.rank([BlockHash(1)], 5, ["a", "b"]).reason == "round_robin"
+
+
+def test_replica_version_ignores_router_and_scaling_fields_only():
+    import dataclasses
+
+    from kvroute.cluster.config import ClusterConfig
+    from kvroute.cluster.replica_deployment import replica_version
+    from kvroute.replica.config import EngineConfig
+
+    base = ClusterConfig(engine=EngineConfig(model="m", hash_seed=7), num_replicas=2)
+    same = [
+        dataclasses.replace(base, request_router="power_of_two"),
+        dataclasses.replace(base, router_policy="round_robin", router_policy_kwargs={"x": 1}),
+        dataclasses.replace(base, num_replicas=4),
+    ]
+    assert {replica_version(c) for c in same} == {replica_version(base)}
+    other = [
+        dataclasses.replace(base, engine=EngineConfig(model="m", hash_seed=8)),
+        dataclasses.replace(base, engine=EngineConfig(model="m", hash_seed=7, block_size=32)),
+        dataclasses.replace(base, max_ongoing_requests=3),
+    ]
+    assert len({replica_version(c) for c in other} | {replica_version(base)}) == 4
