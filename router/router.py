@@ -6,6 +6,13 @@ request sharing that new prefix sees it at once, instead of the whole burst scat
 before the replica's first KV event), bumps that replica's load increments, and calls
 ``policy.on_routed``. Nothing here is thread-safe: one caller (the router actor) drives
 it.
+
+Request path: ``candidate_table`` hands the kvroute policy the directory's match and
+the load columns for the candidates in one object (``CandidateTable``), and ``route``
+reads the chosen replica's matched blocks back from it instead of matching again. An
+explicit candidate list equal to the previous one is validated once and reused as one
+tuple object, so the directory's and the load view's per-candidate-set caches hit
+(the cluster passes a fresh list per request).
 """
 
 from __future__ import annotations
