@@ -120,7 +120,8 @@ class ServeFleet:
             # a run that was stopped leaves its app and detached actors behind (a router
             # actor with another hash seed would refuse these replicas): start clean
             self.close()
-        self._kill_prefix_tree_actor()  # Ray's router keeps its tree in a detached actor
+        if router == "prefix_affinity_ray":  # Ray's router keeps its tree in a detached actor
+            self._kill_prefix_tree_actor()
         serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
         if self._control is None:
             self._control = serve.get_deployment_handle(self.config.deployment_name, app_name=self.app_name)
