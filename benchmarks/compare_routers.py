@@ -238,6 +238,43 @@ def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
+_COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_tokens",
+            "vllm:prefix_cache_hits": "cached_tokens", "vllm:generation_tokens": "output_tokens"}
+
+
+def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
+    """Per replica, the cumulative counters of the app's ``/metrics`` (requests, prompt,
+    cached and output tokens): a run's difference shows how a router spread the load."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    for fam in text_string_to_metric_families(text):
+        key = _COUNTED.get(fam.name)
+        if key is None:
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_total") and "replica" in sample.labels:
+                row = out.setdefault(sample.labels["replica"], dict.fromkeys(_COUNTED.values(), 0.0))
+                row[key] += sample.value
+    return out
+
+
+def wait_counters(base_url: str, replica_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
+    """The counters once every replica has reported (about once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = replica_counters(base_url)
+        if set(replica_ids) <= set(counters) or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.5)
+
+
+def per_replica(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in row.items()} for rid, row in sorted(after.items())}
+
+
 # ---------------------------------------------------------------------- external router
 def _free_port() -> int:
     import socket
@@ -431,17 +468,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     label = args.label or workload.name
     out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
 
+    serve_routers = [r for r in routers if r in SERVE_ROUTERS]
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        pass  # a caller (a test, a notebook) already joined a cluster
+    if ray.is_initialized() or not serve_routers:
+        pass  # a caller (a test, a notebook) already joined a cluster, or no Serve run
     elif address:
         ray.init(address=address, logging_level="warning")
     else:  # logical CPUs: room for every replica and the ingress even on a small machine
         need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 2))
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
-    serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
-
-    serve_routers = [r for r in routers if r in SERVE_ROUTERS]
+    if serve_routers:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
     fleet = ServeFleet(args, engine_kwargs)
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
@@ -453,8 +490,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for router in serve_routers:
                 info = fleet.prepare(router)
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
+                before = wait_counters(fleet.base_url, fleet.replica_ids)
                 r = asyncio.run(serving.benchmark(fleet.base_url, workload, rate_cfg, SERVED_NAME, decode))
-                results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve", **info, **r}
+                time.sleep(1.5)  # the replicas' last metrics report
+                spread = per_replica(before, wait_counters(fleet.base_url, fleet.replica_ids))
+                results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve", **info, "per_replica": spread, **r}
+                print(f"  per replica (requests, prompt, cached): "
+                      + "; ".join(f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
+                                  for rid, c in spread.items()), flush=True)
                 print(f"  {router}: {serving.summary_line(r)}", flush=True)
     finally:
         if serve_routers:

@@ -36,6 +36,10 @@ def test_two_routers_on_one_fleet_write_a_table(ray_cluster, tiny_llama_path, tm
     runs = {r["router"]: json.loads((out / f"{r['run']}.json").read_text()) for r in combined["rows"]}
     assert runs["kvroute"]["replica_ids"] == runs["power_of_two"]["replica_ids"] == combined["replica_ids"]
     assert len(combined["replica_ids"]) == 2
+    for r in runs.values():  # the replicas' own counters account for every request
+        assert sorted(r["per_replica"]) == combined["replica_ids"]
+        assert sum(c["requests"] for c in r["per_replica"].values()) == 8
+        assert sum(c["cached_tokens"] for c in r["per_replica"].values()) == sum(r["cached_lens"])
     # each run starts cold: its first request of each group finds nothing cached
     for r in runs.values():
         assert 0 < r["prefix_cache_hit_rate"] <= r["best_prefix_cache_hit_rate"]
