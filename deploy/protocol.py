@@ -167,18 +167,15 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them (text content only)."""
-        out = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
-        return out
-
     def num_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (text content; ``developer`` is a system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 class TokenizeRequest(BaseModel):

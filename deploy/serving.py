@@ -18,7 +18,13 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence, U
 
 from kvroute.cluster.messages import RouteTrace
 from kvroute.deploy.errors import APIError, bad_request, error_body
-from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvroute.deploy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+)
 from kvroute.replica.outputs import TokenDelta, TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
 
@@ -130,7 +136,7 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = self._chat_ids([m.model_dump() for m in req.messages], req.add_generation_prompt, False, "messages")
+            ids = self._chat_ids(template_messages(req.messages), req.add_generation_prompt, False, "messages")
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
@@ -153,13 +159,8 @@ class OpenAIServing:
                 f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed", param="prompt"
             )
         token_lists: list[list[int]] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                ids = self.tokenizer.encode(p)
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                ids = list(p)
-            else:
-                raise bad_request("prompt must be a string, a list of strings, token ids or lists of token ids", param="prompt")
+        for i, p in enumerate(prompts):  # each a string or token ids (pydantic checked)
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             self._check_ids(ids, param)
             token_lists.append(ids)
@@ -237,7 +238,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
-        ids = self._chat_ids(req.template_messages(), req.add_generation_prompt, req.continue_final_message, "messages")
+        ids = self._chat_ids(template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages")
         self._check_ids(ids, "messages")
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, self.max_model_len - len(ids))
