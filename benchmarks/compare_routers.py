@@ -192,6 +192,7 @@ class ServeFleet:
             assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
         t_reset = time.perf_counter() - t0 - t_deploy
         warm_up(self.base_url, self.args.replicas)
+        time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
         return {"replica_ids": list(self.replica_ids), "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy,
                 "reset_s": t_reset}
 
