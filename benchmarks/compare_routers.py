@@ -227,7 +227,7 @@ def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
     sent = 0
     while sent < n:
         try:
-            r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": [101, 102, 103],
+            r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi",
                                                                "max_tokens": 1, "temperature": 0}, timeout=60)
             if r.status_code == 200:
                 sent += 1
@@ -452,13 +452,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray import serve
 
     workload = serving.workload_from_args(args)
+    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
+        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
     config = serving.load_config_from_args(args)
     engine_kwargs = dict(json.loads(args.engine_kwargs))
     engine_kwargs.setdefault("hash_seed", secrets.randbits(63))  # one seed for every redeploy
     config = serving.LoadConfig(**{**config.__dict__, "block_size": int(engine_kwargs.get("block_size", 16))})
+    if any(r in EXTERNAL_ROUTERS for r in routers) and config.prompt_format == "tokens":
+        # sglang-router takes text prompts only (its OpenAI schema has no token-id
+        # prompt): every router gets the same decoded text, so the runs stay comparable
+        print("compare_routers: an external router is in the run: sending text prompts to every router", flush=True)
+        config = serving.LoadConfig(**{**config.__dict__, "prompt_format": "text"})
     decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
-    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
-        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
+
     unknown = [r for r in routers if r not in SERVE_ROUTERS + EXTERNAL_ROUTERS]
     if unknown:
         raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + EXTERNAL_ROUTERS}")
