@@ -17,10 +17,12 @@ before any measurement, ``default_prefill_tokens_per_s`` /
 ``default_decode_step_s``, so a cold cluster still routes sensibly.
 
 Choice (hot-prefix replication without scattering): let ``best`` be the smallest
-``ttft_r`` among the *admissible* candidates (below). Every admissible candidate within
-the slack, ``ttft_r ≤ slack_rel × best + slack_abs_s``, is eligible; among them the one
-with the LONGEST cached prefix wins, then the smaller ``ttft_r``, then the shorter
-queue, then candidate order. So a request stays with a replica holding its prefix until
+``ttft_r`` among the *admissible* candidates (below) and ``slack = (slack_rel − 1) ×
+best + slack_abs_s``. An owner is eligible when ``ttft_r ≤ best + slack × cached_r / n``:
+its stickiness is worth the share of the prompt it holds (a one-block hit on a long
+prompt buys no queueing; a shared system prompt that is most of the prompt buys nearly
+the whole slack). Among eligible owners the one with the LONGEST cached prefix wins,
+then the smaller ``ttft_r``, then the shorter queue, then candidate order. So a request stays with a replica holding its prefix until
 that owner's predicted TTFT exceeds the best alternative (which includes recomputing the
 prefix) by the slack; only then does a second replica take it, and once that one holds
 the prefix (pending at once, then confirmed) it competes as an owner, so the prefix
@@ -228,10 +230,15 @@ class KVRoutePolicy(Policy):
             if any(free):
                 ok = free
         best = min(ts) if ok is None else min(compress(ts, ok))
-        limit = best * self.slack_rel + self.slack_abs_s
+        slack = best * (self.slack_rel - 1.0) + self.slack_abs_s
+        limit = best + slack
         pick = -1
         if cached:
-            owners = [i for i in cached if ts[i] <= limit and (ok is None or ok[i])]
+            # An owner's slack is its share of the prompt: sticking to a replica is worth
+            # what its prefix saves, so a 16-token hit on a 3,000-token prompt buys no
+            # queueing, while a shared system prompt keeps its group together.
+            per_token = slack / n
+            owners = [i for i in cached if ts[i] <= best + per_token * cached[i] and (ok is None or ok[i])]
             if owners:
                 pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
         if pick < 0:

@@ -76,6 +76,22 @@ def test_within_slack_owner_keeps_prefix():
     assert (d.replica_id, d.expected_cached_tokens, d.reason) == ("b", 512, "load")
 
 
+def test_an_owner_holding_little_of_the_prompt_gets_little_slack():
+    rate = 10_000.0
+    idle = ReplicaLoad(prefill_tokens_per_s=rate)
+    # a holds 1 of 64 blocks and queues 150 tokens more: (150 + 1034 - 16) / rate = 0.117 s
+    # vs 0.103 s idle. Within the full 1.2x slack, but a 16-token hit buys ~1.6% of it.
+    a = ReplicaLoad(queued_prefill_tokens=150, prefill_tokens_per_s=rate)
+    d = choose(View({"a": 1}, {"a": a, "b": idle}), cands=("a", "b"))
+    assert (d.replica_id, d.expected_cached_tokens) == ("b", 0)
+    # the same queue with most of the prompt cached stays put: 0.0160 s vs 0.103 s
+    d = choose(View({"a": 60}, {"a": a, "b": idle}), cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # a small owner still wins an exact tie on TTFT (its cached block makes it faster)
+    d = choose(View({"a": 1}, {"a": idle, "b": idle}), cands=("b", "a"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+
+
 def test_decode_interference_counts():
     p = KVRoutePolicy(default_prefill_tokens_per_s=1000.0, default_decode_step_s=0.05, step_tokens=512)
     assert p.predict_ttft(ReplicaLoad(), 1000) == pytest.approx(1.0)
