@@ -4,12 +4,13 @@ Model (per candidate replica ``r``, for a request of ``n`` prompt tokens)::
 
     cached_r   = min(matched_blocks_r × block_size, n − 1)      # the last token is always computed
     work_r     = queued_prefill_tokens_r + (n − cached_r)        # tokens r must prefill before our first token
-    prefill_r  = work_r / prefill_tokens_per_s_r
+    prefill_r  = work_r / fleet_prefill_tokens_per_s
     interf_r   = ceil(work_r / step_tokens) × decode_step_s_r    if r has running decodes, else 0
     ttft_r     = prefill_r + interf_r
 
-``queued_prefill_tokens`` and the rates come from the replica's last load report plus the
-router's optimistic increments (``LoadView``). The decode-interference term charges one
+``queued_prefill_tokens`` and the decode step come from the replica's last load report plus
+the router's optimistic increments (``LoadView``); the prefill rate is the mean of the
+candidates' measured rates (``fallback_rates``). The decode-interference term charges one
 decode step per engine step the prefill spans: with chunked prefill each step carries
 the running decodes too, so a busy decoder stretches every chunk by about one decode
 step. A replica with no measured rate yet uses the mean of its measured peers' rates, or,
@@ -120,9 +121,15 @@ class KVRoutePolicy(Policy):
         self.kv_full = float(kv_full)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
-        """(prefill tokens/s, decode step s) assumed for a replica not measured yet: the
-        mean of its measured peers (fleets are homogeneous), or the configured defaults
-        before any measurement."""
+        """(prefill tokens/s of every candidate, decode step s of one not measured yet):
+        the means over the measured candidates, or the configured defaults before any
+        measurement.
+
+        The prefill rate is the fleet's, not each replica's own: the replicas of one
+        deployment are identical, so per-replica differences are measurement noise
+        (a step slowed by a neighbour, chunks mixed with decodes), and trusting them
+        starves a replica measured slow once: it gets no traffic, so it never measures
+        again (a 2-replica CPU run put 23 of 24 requests on one replica that way)."""
         return self._fallback([ld.prefill_tokens_per_s for ld in loads], [ld.decode_step_s for ld in loads])
 
     def _fallback(self, rates: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
@@ -136,9 +143,9 @@ class KVRoutePolicy(Policy):
     def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: Sequence[ReplicaLoad] = ()) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of
         prefill; ``peers`` (the other candidates) supply the rates ``load`` lacks."""
-        default_rate, default_step = self.fallback_rates([load, *peers])
+        fleet_rate, default_step = self.fallback_rates([load, *peers])
         work = load.queued_prefill_tokens + uncached_tokens
-        t = work / (load.prefill_tokens_per_s or default_rate)
+        t = work / fleet_rate
         if load.num_running:
             steps = -(-work // self.step_tokens)
             t += steps * (load.decode_step_s or default_step)
@@ -190,11 +197,13 @@ class KVRoutePolicy(Policy):
         cands = table.candidates
         n = num_tokens
         queued = table.queued
+        # One prefill rate for the whole fleet (see fallback_rates); decode steps stay
+        # per replica (they grow with the replica's batch).
+        fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
+        rate = [fleet_rate] * len(cands)
         if table.measured:
-            rate, interf = table.rate, table.interference
-        else:  # unmeasured replicas borrow their peers' mean
-            default_rate, default_step = self._fallback(table.rate, table.decode_step)
-            rate = [x or default_rate for x in table.rate]
+            interf = table.interference
+        else:  # an unmeasured replica borrows its peers' mean decode step
             interf = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
         S = self.step_tokens
         # predicted TTFT with nothing cached (predict_ttft, inlined; + 0.0 changes no
