@@ -60,3 +60,17 @@ def dense_attention(q, k, v, ctx, scale):
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     s = s.masked_fill(k_pos > q_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def assert_attention_matches(out, q, kc, vc, meta, full_k, full_v, ctx_lens, q_lens, scale, tol):
+    """``out`` equals dense causal attention per sequence and the paged reference, within ``tol``."""
+    import torch
+
+    from kvroute.kernels.paged_attention import paged_attention_reference
+
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        q0 = meta.query_start_loc_cpu[s]
+        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
+        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
+    ref = paged_attention_reference(q, kc, vc, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

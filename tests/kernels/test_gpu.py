@@ -15,12 +15,12 @@ import torch
 
 from kvroute.kernels import ops
 from kvroute.kernels.kv_store import plan_kv_store, store_kv_reference, store_kv_triton
-from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kvroute.kernels.paged_attention import paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.replica.llm import LLM
 from kvroute.replica.models.rope import RotaryEmbedding
-from tests.kernels.batches import build_batch, dense_attention
+from tests.kernels.batches import assert_attention_matches, build_batch
 from tests.replica.helpers import assert_no_leak, engine_greedy, greedy
 
 pytestmark = pytest.mark.gpu
@@ -42,13 +42,7 @@ def _attention_case(ctx_lens, q_lens, shape, block_size, dtype, num_splits=1):
     scale = 1 / math.sqrt(d)
     out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits)
     torch.cuda.synchronize()
-    tol = TOL[dtype]
-    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
-        q0 = meta.query_start_loc_cpu[s]
-        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
-        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
-    ref = paged_attention_reference(q, kc, vc, meta, scale)
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert_attention_matches(out, q, kc, vc, meta, full_k, full_v, ctx_lens, q_lens, scale, TOL[dtype])
 
 
 @pytest.mark.parametrize("shape", SHAPES)

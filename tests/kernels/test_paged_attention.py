@@ -16,7 +16,7 @@ import torch
 from kvroute.kernels.kv_store import store_kv_reference
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import rms_norm_reference
-from tests.kernels.batches import build_batch, dense_attention
+from tests.kernels.batches import assert_attention_matches, build_batch, dense_attention
 
 
 CASES = [
@@ -82,13 +82,7 @@ def _check_triton(ctx_lens, q_lens, gqa, block_size, dtype, head_dim=64, num_spl
     scale = 1 / math.sqrt(head_dim)
     out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits, block_n=block_n)
     assert out.shape == q.shape and out.dtype == dtype
-    tol = TOL[dtype]
-    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
-        q0 = meta.query_start_loc_cpu[s]
-        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
-        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
-    ref = paged_attention_reference(q, kc, vc, meta, scale)
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert_attention_matches(out, q, kc, vc, meta, full_k, full_v, ctx_lens, q_lens, scale, TOL[dtype])
 
 
 @pytest.mark.usefixtures("triton_available")
