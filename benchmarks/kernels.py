@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     store = bench_kv_store(bw)
     norm = bench_norm_rope(bw)
     result = dict(copy_bandwidth_gbs=bw / 1e9, decode=decode, prefill=prefill, kv_store=store, norm_rope=norm)
-    d64 = next((r for r in decode if r["batch"] == 16 and r["context"] == 1024), decode[0])
+    d16 = next((r for r in decode if r["batch"] == 16 and r["context"] == 1024), decode[0])
     summary = (
-        f"decode b16 ctx1k {d64['splits_1_us']:.0f} us ({d64['splits_1_bw_fraction']:.0%} of copy BW); "
+        f"decode b16 ctx1k {d16['splits_1_us']:.0f} us ({d16['splits_1_bw_fraction']:.0%} of copy BW); "
         f"prefill 2k {prefill[0]['triton_tflops']:.0f} TFLOP/s; "
         f"page store {store[0]['per_token_us'] / store[0]['pages_us']:.2f}x per-token"
     )
