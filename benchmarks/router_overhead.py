@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> dict:
     perf = time.perf_counter_ns
     cpu = time.thread_time_ns  # excludes time descheduled: the cost on a shared, busy machine
     cpu_ns: list[int] = []
+    by_kind: dict[str, list[int]] = {"full_hit": [], "half_hit": [], "cold": []}
+    kinds = ["full_hit", "full_hit", "half_hit", "cold"]
     for k, hashes in enumerate(reqs):
         if k % 64 == 0:  # replicas report: the optimistic increments reset
             for rid in seqs:
@@ -124,9 +126,12 @@ def run(args: argparse.Namespace) -> dict:
         if k >= args.warmup:
             lat_ns.append(dt)
             cpu_ns.append(dc)
+            by_kind[kinds[k % 4]].append(dc)
     gc.enable()
     lat_ns.sort()
     cpu_ns.sort()
+    for xs in by_kind.values():
+        xs.sort()
     stats = router.stats()
 
     # ---------------------------------------------------------------- memory
@@ -163,6 +168,11 @@ def run(args: argparse.Namespace) -> dict:
         "route_us": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "max": lat_ns[-1] / 1000,
                      "mean": sum(lat_ns) / len(lat_ns) / 1000},
         "route_cpu_us": {"p50": pct(0.50, cpu_ns), "p90": pct(0.90, cpu_ns), "p99": pct(0.99, cpu_ns)},
+        # by request kind: a full hit costs the match and the policy; a half hit and a
+        # cold request also record their new blocks as pending (optimistic insert)
+        "route_cpu_us_by_kind": {
+            kind: {"p50": pct(0.50, xs), "p99": pct(0.99, xs)} for kind, xs in by_kind.items()
+        },
         "load_average": os.getloadavg(),
         "decisions_by_reason": stats["decisions_by_reason"],
         "memory_bytes": bytes_total,
@@ -188,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     summary = (
         f"{args.replicas} replicas, {r['directory_blocks']:,} blocks ({r['directory_entries']:,} entries): "
         f"route p50 {rt['p50']:.1f} us p99 {rt['p99']:.1f} us wall, "
-        f"p50 {r['route_cpu_us']['p50']:.1f} us p99 {r['route_cpu_us']['p99']:.1f} us cpu ({args.request_blocks}-block requests); "
+        f"p50 {r['route_cpu_us']['p50']:.1f} us p99 {r['route_cpu_us']['p99']:.1f} us cpu ({args.request_blocks}-block requests; "
+        + ", ".join(f"{k} p99 {v['p99']:.0f}" for k, v in r["route_cpu_us_by_kind"].items())
+        + " us cpu); "
         f"events {r['fill_updates_per_s'] / 1e6:.2f}M block updates/s (fill), "
         f"{r['churn_updates_per_s'] / 1e6:.2f}M/s (churn) wall, {r['fill_updates_per_cpu_s'] / 1e6:.2f}M/s "
         f"{r['churn_updates_per_cpu_s'] / 1e6:.2f}M/s cpu; "

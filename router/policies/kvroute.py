@@ -199,16 +199,17 @@ class KVRoutePolicy(Policy):
         queued = table.queued
         # One prefill rate for the whole fleet (see fallback_rates); decode steps stay
         # per replica (they grow with the replica's batch).
-        fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
-        rate = [fleet_rate] * len(cands)
         if table.measured:
+            rates = table.rate
+            fleet_rate = sum(rates) / len(rates)
             interf = table.interference
         else:  # an unmeasured replica borrows its peers' mean decode step
+            fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interf = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
         S = self.step_tokens
         # predicted TTFT with nothing cached (predict_ttft, inlined; + 0.0 changes no
         # float), then the owners' with their cached prefix
-        ts = [(w := q + n) / r + -(-w // S) * d for q, r, d in zip(queued, rate, interf)]
+        ts = [(w := q + n) / fleet_rate + -(-w // S) * d for q, d in zip(queued, interf)]
         depth = table.depth
         cap = max(n - 1, 0)
         cached: dict[int, int] = {}
@@ -222,7 +223,7 @@ class KVRoutePolicy(Policy):
                 if c > longest:
                     longest = c
                 w = queued[i] + n - c
-                ts[i] = w / rate[i] + -(-w // S) * interf[i]
+                ts[i] = w / fleet_rate + -(-w // S) * interf[i]
         # decode-aware: a replica whose batch ran past the limit takes no more; nor does
         # one whose KV is full with requests already waiting for it (admission-blocked),
         # while some candidate is neither

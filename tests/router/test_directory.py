@@ -173,45 +173,96 @@ def test_snapshot_restore_round_trip():
     assert r.apply("a", 2, [H[5]], [], False) and r.confirmed("a") == H[:6]
 
 
-def test_match_agrees_with_brute_force_on_random_states():
+def _random_closed_states(rng, d, names, chains):
+    """Drive ``d`` the way replicas do: store a chain's leading blocks (parent first),
+    evict chain tails, record pending tails from the held depth on. Returns the exact
+    sets each replica holds (confirmed or pending)."""
+    held = {r: set() for r in names}
+    seq = dict.fromkeys(names, 0)
+    for _ in range(rng.randint(1, 12)):
+        r = rng.choice(names)
+        chain = rng.choice(chains)
+        k = 0
+        while k < len(chain) and chain[k] in held[r]:
+            k += 1
+        op = rng.random()
+        if op < 0.45:  # prefill: the next blocks of this chain
+            new = chain[k : rng.randint(k, len(chain))]
+            seq[r] += 1
+            d.apply(r, seq[r], new, [], False)
+            held[r].update(new)
+        elif op < 0.7:  # routed here: pending from the held depth on
+            new = chain[k : rng.randint(k, len(chain))]
+            d.add_pending(r, new)
+            held[r].update(new)
+        else:  # evict from this chain's held run, leaves first (as the block pool does)
+            confirmed = set(d.confirmed(r))
+            gone = []
+            for h in reversed(chain[rng.randint(0, k) : k]):
+                has_child = any(c[i - 1] == h and c[i] in held[r] for c in chains for i in range(1, len(c)))
+                if h not in confirmed or has_child:
+                    break
+                gone.append(h)
+                held[r].discard(h)
+            seq[r] += 1
+            d.apply(r, seq[r], [], gone, False)
+    return held
+
+
+def test_match_agrees_with_brute_force_on_prefix_closed_states():
+    """Random states reached the way replicas reach them (chains sharing prefixes,
+    stored parent first, evicted tail first, pending from the held depth): the
+    bisecting match equals a block-by-block walk."""
     import random
 
     rng = random.Random(7)
-    chain = hash_blocks(SPEC, list(range(16 * 24)))
-    for trial in range(200):
-        d, _ = make(*[f"r{i}" for i in range(6)])
-        held = {}
-        for i in range(6):
-            s = {h for h in chain if rng.random() < 0.85}
-            held[f"r{i}"] = s
-            if rng.random() < 0.5:
-                d.apply(f"r{i}", 1, [h for h in chain if h in s], [], False)
-            else:
-                d.add_pending(f"r{i}", [h for h in chain if h in s])
-        cands = rng.sample(sorted(held), rng.randint(1, 6))
-        req = chain[: rng.randint(0, len(chain))]
-        want = {}
-        for c in cands:
-            k = 0
-            while k < len(req) and req[k] in held[c]:
-                k += 1
-            want[c] = k
-        assert d.match(req, cands) == want
-        assert d.match(req, tuple(cands)) == want
-        names = sorted(held)
-        assert d.cache_rooms(names, range(6)) == [100 - len(d.confirmed(r)) - len(d.pending(r)) for r in names]
+    trunk = list(range(16 * 6))
+    chains = [hash_blocks(SPEC, trunk + list(range(100 * j, 100 * j + 16 * rng.randint(0, 18)))) for j in range(1, 5)]
+    chains.append(hash_blocks(SPEC, list(range(5000, 5000 + 16 * 20))))
+    names = [f"r{i}" for i in range(6)]
+    for trial in range(300):
+        d, _ = make(*names, capacity=1000)
+        held = _random_closed_states(rng, d, names, chains)
+        for r in names:  # the driver kept closure, and tracked the state exactly
+            assert set(d.confirmed(r)) | set(d.pending(r)) == held[r]
+        for req in rng.sample(chains, 3):
+            req = req[: rng.randint(0, len(req))]
+            cands = rng.sample(names, rng.randint(1, 6))
+            want = {}
+            for c in cands:
+                k = 0
+                while k < len(req) and req[k] in held[c]:
+                    k += 1
+                want[c] = k
+            assert d.match(req, cands) == want
+            assert d.match(req, tuple(cands)) == want
 
 
-def test_match_runs_of_owner_sets_that_grow_back():
-    """Owner sets along the request that lose a replica and then regain it: the
-    replica's depth stops at the first block it lacks, however the set changes later."""
-    d, _ = make("a", "b", "c")
-    d.apply("a", 1, H[:8], [], False)
-    d.apply("b", 1, H[:2] + H[3:8], [], False)  # lacks H[2], holds the rest
-    d.add_pending("c", H[:3])
-    assert d.match(H, ["a", "b", "c"]) == {"a": 8, "b": 2, "c": 3}
-    assert d.match_depths(H, ("c", "b", "a")) == [3, 2, 8]
-    assert d.match_depths(H, ["a", "a"]) == [8, 8]  # a candidate listed twice
+def test_match_bisects_instead_of_walking_every_block():
+    """2 lookups for a full hit, about log2(blocks) per distinct depth; the depths of
+    several owners that drop out at different blocks come out right."""
+
+    class Counting(dict):
+        gets = 0
+
+        def get(self, k, default=None):
+            Counting.gets += 1
+            return super().get(k, default)
+
+    chain = hash_blocks(SPEC, list(range(16 * 256)))
+    d, _ = make("a", "b", "c", "d", capacity=1000)
+    d.apply("a", 1, chain, [], False)
+    d.apply("b", 1, chain[:100], [], False)
+    d.apply("c", 1, chain[:3], [], False)
+    d.add_pending("d", chain[:255])
+    d._owners = Counting(d._owners)
+    assert d.match(chain, ["a"]) == {"a": 256}
+    assert Counting.gets == 2
+    Counting.gets = 0
+    assert d.match(chain, ["a", "b", "c", "d"]) == {"a": 256, "b": 100, "c": 3, "d": 255}
+    assert Counting.gets <= 2 + 3 * 8
+    assert d.match_depths(chain, ("d", "c", "b", "a")) == [255, 3, 100, 256]
+    assert d.match_depths(chain, ["a", "a"]) == [256, 256]  # a candidate listed twice
     assert d.match_depths(G, ["a", "b"]) == [0, 0]
 
 
