@@ -115,9 +115,9 @@ def _router_families(
             fam.add_metric([model_name, reason], float(count))
         yield fam
         for name, key, doc in (
-            ("kvroute:directory_blocks", "directory_blocks", "Distinct block hashes in the router's directory."),
+            ("kvroute:directory_blocks", "directory_blocks", "Distinct block hashes replicas have confirmed, in the router's directory."),
             ("kvroute:directory_entries", "directory_entries", "(block, replica) entries in the directory."),
-            ("kvroute:directory_pending_entries", "pending_entries", "Optimistic entries not yet confirmed by KV events."),
+            ("kvroute:directory_pending_entries", "pending_entries", "Blocks in optimistic (routed, not yet confirmed) runs."),
             ("kvroute:router_replicas", "replicas", "Replicas registered with the router."),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)

@@ -175,7 +175,8 @@ class Router:
         cached = held * self.block_size
         if cached >= num_tokens:
             cached = max(num_tokens - 1, 0)
-        self.directory.add_pending(chosen, block_hashes, start=held)
+        if held < len(block_hashes):
+            self.directory.add_pending(chosen, block_hashes, start=held)
         self.loads.on_routed(chosen, num_tokens - cached)
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1

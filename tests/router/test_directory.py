@@ -186,15 +186,19 @@ def _random_closed_states(rng, d, names, chains):
         while k < len(chain) and chain[k] in held[r]:
             k += 1
         op = rng.random()
-        if op < 0.45:  # prefill: the next blocks of this chain
-            new = chain[k : rng.randint(k, len(chain))]
+        if op < 0.45:  # prefill: the next blocks of this chain past those it has stored
+            confirmed = set(d.confirmed(r))
+            kc = 0
+            while kc < len(chain) and chain[kc] in confirmed:
+                kc += 1
+            new = chain[kc : rng.randint(kc, len(chain))]
             seq[r] += 1
             d.apply(r, seq[r], new, [], False)
             held[r].update(new)
         elif op < 0.7:  # routed here: pending from the held depth on
-            new = chain[k : rng.randint(k, len(chain))]
-            d.add_pending(r, new)
-            held[r].update(new)
+            end = rng.randint(k, len(chain))
+            d.add_pending(r, chain[:end], start=k)
+            held[r].update(chain[k:end])
         else:  # evict from this chain's held run, leaves first (as the block pool does)
             confirmed = set(d.confirmed(r))
             gone = []
@@ -211,7 +215,8 @@ def _random_closed_states(rng, d, names, chains):
 
 def test_match_agrees_with_brute_force_on_prefix_closed_states():
     """Random states reached the way replicas reach them (chains sharing prefixes,
-    stored parent first, evicted tail first, pending from the held depth): the
+    stored parent first from the stored depth, evicted tail first, pending runs from
+    the held depth): the
     bisecting match equals a block-by-block walk."""
     import random
 
@@ -272,30 +277,60 @@ def test_add_pending_counts_and_state_with_blocks_held_elsewhere():
     # all new for a, some held by b: every block pending on a, b keeps its entries
     assert d.add_pending("a", H[:6]) == 6
     assert d.pending("a") == H[:6] and d.owners(H[1]) == ["a", "b"] and d.owners(H[5]) == ["a"]
-    # mixed: H[0..1] confirmed on a, H[2..5] pending (refreshed), H[6..7] new
+    # H[0..1] confirmed on a; a second run skips that confirmed lead: H[2..7]
     d.apply("a", 1, H[:2], [], False)
     clock.t += 3.0
-    assert d.add_pending("a", H) == 2
+    assert d.add_pending("a", H) == 6
     assert d.confirmed("a") == H[:2] and d.pending("a") == H[2:8]
-    clock.t += 3.0  # the first add's deadline passed; the refresh keeps H[2..5]
+    clock.t += 3.0  # the first run's deadline passed; the second keeps H[2..7]
     assert d.match(H, ["a", "b"]) == {"a": 8, "b": 4}
-    clock.t += 2.0  # past the refresh: only the confirmed entries remain on a
+    clock.t += 2.0  # past the second: only the confirmed entries remain on a
     assert d.match(H, ["a", "b"]) == {"a": 2, "b": 4}
     assert d.owners(H[3]) == ["b"] and d.owners(H[6]) == [] and d.pending("a") == []
-    # a repeated hash in one request is recorded once
-    assert d.add_pending("a", [G[0], G[0], G[1]]) == 2
-    assert d.pending("a") == [G[0], G[1]] and d.owners(G[0]) == ["a"]
+    # a request a holds entirely records nothing
+    assert d.add_pending("a", H[:2]) == 0 and d.add_pending("a", H, start=8) == 0
+
+
+def test_runs_found_from_any_depth_and_chained():
+    """A run is found wherever a request stops inside it: at its first stride's own
+    positions, or from the stride start of a later position (a run partly confirmed);
+    runs that continue each other chain; a request diverging inside a run gets the
+    shared part."""
+    chain = hash_blocks(SPEC, list(range(16 * 80)))
+    other = hash_blocks(SPEC, list(range(16 * 50)) + list(range(90000, 90000 + 16 * 30)))  # shares 50 blocks
+    d, clock = make("a", "b", capacity=1000)
+    d.apply("a", 1, chain[:5], [], False)
+    assert d.add_pending("a", chain[:40], start=5) == 35  # indexed at 5..15, 16, 32
+    assert d.match(chain, ["a", "b"]) == {"a": 40, "b": 0}
+    d.apply("a", 2, chain[5:9], [], False)  # confirmed to 9: inside the first stride
+    assert d.match(chain, ["a"]) == {"a": 40}
+    d.apply("a", 3, chain[9:21], [], False)  # to 21: found from position 16
+    assert d.match(chain, ["a"]) == {"a": 40}
+    assert d.add_pending("a", chain, start=40) == 40  # a second run, chained at 40
+    assert d.match(chain, ["a"]) == {"a": 80}
+    assert d.match(other, ["a"]) == {"a": 50}  # diverges inside the second run
+    assert d.match(chain[:33], ["a"]) == {"a": 33}
+    assert d.add_pending("b", chain[:60]) == 60
+    assert d.match_depths(chain, ("b", "a")) == [60, 80]
+    d.apply("a", 4, chain[21:40], [], False)  # the first run's last block: it leaves
+    assert d.pending("a") == chain[40:80]
+    assert d.match(chain, ["a", "b"]) == {"a": 80, "b": 60}
+    clock.t += 5.0
+    assert d.match(chain, ["a", "b"]) == {"a": 40, "b": 0}
+    assert d.pending("a") == [] and d.cache_rooms(["a", "b"], [0, 1]) == [960, 1000]
 
 
 def test_confirming_pending_and_removing_keep_owner_bits_exact():
     d, _ = make("a", "b")
     d.add_pending("a", H[:3])
     d.apply("b", 1, H[:3], [], False)
-    d.apply("a", 1, [H[0], H[1]], [], False)  # confirms two pending entries
+    d.apply("a", 1, [H[0], H[1]], [], False)  # confirms two of the run's blocks
     assert d.confirmed("a") == H[:2] and d.pending("a") == [H[2]]
-    assert d.owners(H[0]) == ["a", "b"] and d.num_pending() == 1
-    d.apply("a", 2, [H[1]], [H[0]], False)  # H[1] re-stored: touched
-    assert d.confirmed("a") == [H[1]] and d.owners(H[0]) == ["b"]
+    assert d.owners(H[0]) == ["a", "b"] and d.num_pending() == 3  # the run leaves when H[2] is stored
+    d.apply("a", 2, [H[1]], [H[0]], False)  # H[1] re-stored: touched; H[0] evicted
+    assert d.confirmed("a") == [H[1]] and d.owners(H[0]) == ["a", "b"]  # the routed run still covers it
+    d.apply("a", 3, [H[2]], [], False)  # the run's last block: the run leaves
+    assert d.pending("a") == [] and d.owners(H[0]) == ["b"]
     d.apply("b", 2, [], [], True)
     assert d.owners(H[0]) == [] and d.owners(H[1]) == ["a"] and d.owners(H[2]) == ["a"]
     assert d.num_blocks() == 2
@@ -312,12 +347,12 @@ def test_cache_rooms_follow_every_change():
     assert rooms() == [10, 10]
     d.add_pending("a", H[:3])
     assert rooms() == [7, 10]
-    d.apply("a", 1, H[:2], [], False)  # confirms 2 of the 3 pending
-    assert rooms() == [7, 10]
+    d.apply("a", 1, H[:2], [], False)  # confirms 2 of the run's 3: counted twice until it leaves
+    assert rooms() == [5, 10]
     d.apply("b", 1, H[:8] + G[:4], [], False)  # past capacity: LRU keeps 10
-    assert rooms() == [7, 0] and len(d.confirmed("b")) == 10
+    assert rooms() == [5, 0] and len(d.confirmed("b")) == 10
     clock.t += 5.0
-    assert d.purge_expired() == 1 and rooms() == [8, 0]
+    assert d.purge_expired() == 3 and rooms() == [8, 0]
     d.set_capacity("b", 4)
     assert rooms() == [8, 0] and d.confirmed("b") == G[:4]
     d.apply_snapshot("a", [G[0]], seq=1)

@@ -143,10 +143,10 @@ def test_stats_and_snapshot_restore():
     assert s["decisions_by_reason"] == {"cold": 3, "prefix": 3}
     assert sorted(s["decisions_by_replica"].values()) == [2, 2, 2]
     assert s["directory_entries"] == 8 and s["events_applied"] == 1 and s["block_updates"] == 8
-    assert s["directory_blocks"] == 24 and s["pending_entries"] == 16
+    assert s["directory_blocks"] == 8 and s["pending_entries"] == 16  # confirmed; the r0 run left when stored
     state = json.loads(json.dumps(r.snapshot()))
     r2 = Router.restore(state, KVRoutePolicy(), clock=clock)
-    assert r2.replicas() == r.replicas() and r2.stats()["directory_blocks"] == 24
+    assert r2.replicas() == r.replicas() and r2.stats()["directory_blocks"] == 8 and r2.stats()["pending_entries"] == 16
     assert r2.load("r0").num_running == 1
     h, n = prompt(1, 8, 5)
     assert r2.route(h, n).replica_id == r.route(h, n).replica_id
