@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from kvroute.replica.kv_events import LoadFigures
 from kvroute.router.types import ReplicaId, ReplicaLoad
 
-# (queued, rate, running, decode_step, interference, queue_len, backlog, kv_usage, measured)
+# (queued, rate, running, decode_step, interference, queue_len, backlog, free_blocks, measured)
 Columns = tuple[
     Sequence[int], Sequence[float], Sequence[int], Sequence[float], Sequence[float], Sequence[int], Sequence[int],
     Sequence[float], bool,
@@ -44,7 +44,7 @@ class LoadView:
         self.interference: list[float] = []  # decode_step if running decodes, else 0.0
         self.queue_len: list[int] = []  # waiting + running + in_flight
         self.backlog: list[int] = []  # waiting + in_flight
-        self.kv_usage: list[float] = []
+        self.free_blocks: list[float] = []  # KV blocks free at the last report ((1 - kv_usage) x capacity)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
         self._added: list[int] = []
         self._figures: list[LoadFigures] = []
@@ -109,7 +109,8 @@ class LoadView:
         self.interference[s] = f.decode_step_s if f.num_running else 0.0
         self.queue_len[s] = f.num_waiting + f.num_running
         self.backlog[s] = f.num_waiting
-        self.kv_usage[s] = f.kv_usage
+        cap = self._capacity[s]
+        self.free_blocks[s] = round((1.0 - f.kv_usage) * cap) if cap else float("inf")
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:
@@ -124,7 +125,7 @@ class LoadView:
 
     def columns(self, candidates: Sequence[str]) -> Columns:
         """(queued, rate, running, decode_step, interference, queue_len, backlog,
-        kv_usage, measured) for ``candidates``, in their order (``CandidateTable``'s
+        free_blocks, measured) for ``candidates``, in their order (``CandidateTable``'s
         fields). A tuple of candidates is recognised by identity (the Router passes one
         object per candidate set), so its getter is built once; when the candidates are
         every slot in slot order, the live columns themselves come back (read-only)."""
@@ -144,7 +145,7 @@ class LoadView:
         if getter is None:
             return (
                 self.queued, self.rate, self.running, self.decode_step, self.interference, self.queue_len,
-                self.backlog, self.kv_usage, not self._unmeasured,
+                self.backlog, self.free_blocks, not self._unmeasured,
             )  # fmt: skip
         rate, step = getter(self.rate), getter(self.decode_step)
         return (
@@ -155,7 +156,7 @@ class LoadView:
             getter(self.interference),
             getter(self.queue_len),
             getter(self.backlog),
-            getter(self.kv_usage),
+            getter(self.free_blocks),
             not self._unmeasured or (all(rate) and all(step)),
         )
 
@@ -189,7 +190,7 @@ class LoadView:
     def _all_columns(self) -> list[list]:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
-            self.interference, self.queue_len, self.backlog, self.kv_usage, self._added, self._figures, self._capacity, self._reports, self._cached,
+            self.interference, self.queue_len, self.backlog, self.free_blocks, self._added, self._figures, self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 
     def _get(self, replica_id: str) -> int:

@@ -59,7 +59,9 @@ class CandidateTable:
     match). Load columns, from ``ReplicaLoad``: ``queued`` = ``queued_prefill_tokens``,
     ``rate`` = ``prefill_tokens_per_s``, ``running`` = ``num_running``,
     ``decode_step`` = ``decode_step_s``, ``queue_len``; ``interference[i]`` is
-    ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0. ``measured``:
+    ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0;
+    ``free_blocks[i]`` = ``(1 - kv_usage) × capacity_blocks`` (KV blocks no running
+    request holds, as of the last report; infinite when the capacity is unknown). ``measured``:
     no candidate lacks a rate or a decode step time (else the policy fills them in).
     ``room(positions)`` gives the blocks of room left in those candidates' caches
     (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
@@ -67,7 +69,7 @@ class CandidateTable:
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
-        "backlog", "kv_usage", "measured", "room",
+        "backlog", "free_blocks", "measured", "room",
     )  # fmt: skip
 
     def __init__(
@@ -81,7 +83,7 @@ class CandidateTable:
         interference: Sequence[float],
         queue_len: Sequence[int],
         backlog: Sequence[int],
-        kv_usage: Sequence[float],
+        free_blocks: Sequence[float],
         measured: bool,
         room: Callable[[Sequence[int]], list[int]] | None,
     ) -> None:
@@ -94,7 +96,7 @@ class CandidateTable:
         self.interference = interference
         self.queue_len = queue_len
         self.backlog = backlog
-        self.kv_usage = kv_usage
+        self.free_blocks = free_blocks
         self.measured = measured
         self.room = room
 
@@ -119,7 +121,7 @@ class CandidateTable:
             [d if b else 0.0 for d, b in zip(step, running)],
             [ld.queue_len for ld in loads],
             [ld.num_waiting + ld.in_flight for ld in loads],
-            [ld.kv_usage for ld in loads],
+            [round((1.0 - ld.kv_usage) * ld.capacity_blocks) if ld.capacity_blocks else float("inf") for ld in loads],
             all(rate) and all(step),
             room,
         )

@@ -204,27 +204,57 @@ def test_router_table_and_view_table_agree():
     assert (via_router.replica_id, via_router.reason) == ("r1", "load")
 
 
-def test_admission_blocked_owner_loses_while_someone_has_room():
-    p = KVRoutePolicy(kv_full=0.9)
-    rate = dict(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
-    blocked = ReplicaLoad(num_running=4, num_waiting=1, kv_usage=0.95, **rate)
-    full_idle = ReplicaLoad(num_running=4, kv_usage=0.95, **rate)  # full, nobody waiting
+def test_kv_admission_needs_the_blocks_this_request_needs_there():
+    """A replica is admission-blocked when its free KV blocks, less those its queued
+    prefills take, cannot hold this request's uncached blocks there; an owner needs only
+    its suffix's. The rule applies only while some candidate fits."""
+    p = KVRoutePolicy()
+    rate = dict(prefill_tokens_per_s=10_000.0, decode_step_s=0.02, capacity_blocks=1000)
+    # N = 1,034 tokens: 65 blocks uncached, 10 tokens when 64 blocks are held
+    tight = ReplicaLoad(num_running=4, kv_usage=0.96, **rate)  # 40 free blocks
     roomy = ReplicaLoad(num_running=4, kv_usage=0.5, **rate)
-    d = choose(View({"a": 64}, {"a": blocked, "b": roomy, "c": roomy}), p)
+    d = choose(View({"a": 16}, {"a": tight, "b": roomy, "c": roomy}), p)  # a needs 778 tokens: 49 blocks
     assert (d.replica_id, d.reason) == ("b", "hot_prefix_replica")
-    # routed-since-report requests count as waiting too
-    d = choose(View({"a": 64}, {"a": ReplicaLoad(num_running=4, in_flight=1, kv_usage=0.9, **rate), "b": roomy}), p,
-               cands=("a", "b"))
+    # an owner of most of the prompt needs its suffix only: it keeps the request
+    d = choose(View({"a": 64}, {"a": tight, "b": roomy, "c": roomy}), p)
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # queued prefill tokens (reported, or routed since) take free blocks first
+    busy = ReplicaLoad(num_running=4, kv_usage=0.96, queued_prefill_tokens=16 * 40, **rate)  # none left
+    d = choose(View({"a": 64}, {"a": busy, "b": roomy, "c": roomy}), p)
+    assert d.replica_id != "a"
+    # a new prefix does not go where it does not fit
+    d = choose(View({}, {"a": tight, "b": tight, "c": roomy}), p)
+    assert d.replica_id == "c"
+    # nobody fits: the rule is off, the owner keeps it
+    d = choose(View({"a": 16}, {"a": tight, "b": tight}), p, cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    # every candidate has requests waiting: an owner of at least half the prompt waits
+    # for blocks there instead of costing the fleet its prefix again
+    short = ReplicaLoad(num_running=4, num_waiting=1, kv_usage=0.99, **rate)
+    waiting = ReplicaLoad(num_running=4, num_waiting=1, kv_usage=0.5, **rate)
+    d = choose(View({"a": 33}, {"a": short, "b": waiting}), p, cands=("a", "b"))
+    assert (d.replica_id, d.reason) == ("a", "prefix")
+    d = choose(View({"a": 32}, {"a": short, "b": waiting}), p, cands=("a", "b"))  # 512 < 1,034 / 2
     assert d.replica_id == "b"
-    # a full owner nobody waits for keeps its prefix
-    d = choose(View({"a": 64}, {"a": full_idle, "b": roomy}), p, cands=("a", "b"))
-    assert (d.replica_id, d.reason) == ("a", "prefix")
-    # everyone blocked: the rule is off, the owner keeps it
-    d = choose(View({"a": 64}, {"a": blocked, "b": blocked}), p, cands=("a", "b"))
-    assert (d.replica_id, d.reason) == ("a", "prefix")
-    # kv_full above 1 disables it
-    d = choose(View({"a": 64}, {"a": blocked, "b": roomy}), KVRoutePolicy(kv_full=1.01), cands=("a", "b"))
+    # capacity unknown (0): never blocked
+    d = choose(View({"a": 16}, {"a": ReplicaLoad(num_running=4, kv_usage=0.99), "b": roomy}), p, cands=("a", "b"))
     assert d.replica_id == "a"
+
+
+def test_saturated_fleet_keeps_owners_by_the_prefill_their_prefix_saves():
+    """Every candidate has requests waiting: an owner may be slower than the best by
+    what its cached prefix saves the fleet (cached / rate), on top of the slack."""
+    rate = dict(prefill_tokens_per_s=10_000.0, decode_step_s=0.0)
+    # b: 0.30 s; a (owner of 1,024 of 1,034 tokens): 0.42 s, past the slack (0.07 s x
+    # its share) but within it plus the 0.10 s its prefix saves
+    owner = ReplicaLoad(num_waiting=3, queued_prefill_tokens=4_190, **rate)
+    other = ReplicaLoad(num_waiting=1, queued_prefill_tokens=1_966, **rate)
+    view = View({"a": 64}, {"a": owner, "b": other})
+    assert choose(view, KVRoutePolicy(), cands=("a", "b")).replica_id == "a"
+    assert choose(view, KVRoutePolicy(saturated_stick=False), cands=("a", "b")).replica_id == "b"
+    # b has nothing waiting: not saturated, the usual slack decides
+    idle = ReplicaLoad(queued_prefill_tokens=1_966, **rate)
+    assert choose(View({"a": 64}, {"a": owner, "b": idle}), KVRoutePolicy(), cands=("a", "b")).replica_id == "b"
 
 
 def test_new_prefix_goes_to_the_roomiest_cache_within_half_a_request():
