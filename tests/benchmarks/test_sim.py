@@ -63,6 +63,24 @@ def test_capacity_estimate_and_cost_models():
     assert cpu.prefill_tokens_per_s > 0 and cpu.step_time(0, 1) > 0
 
 
+def test_capacity_counts_shared_prefixes_once_per_fleet():
+    """A KV-bound fleet: the 8 prefixes of 2,048 tokens stay resident (one replica's
+    cache each, 2 per replica), and a running request adds only its own 128 + 64
+    tokens; counting each whole context instead would fit 4x fewer."""
+    from dataclasses import replace
+
+    wl = W.generated_shared_prefix(8, 8, 2048, 128, 128)
+    cfg = replace(CFG, num_replicas=4, kv_blocks=1024, max_num_seqs=256)  # 16,384 tokens per replica
+    cap = estimate_capacity(wl, gpu_h100_llama3_8b(), cfg)
+    # resident: 8 x 2,048 / 4 = 4,096 tokens; own: mean uncached (1/8 of requests compute
+    # 2,176, the rest 128) + 64
+    own = (2176 + 7 * 128) / 8 + 64
+    assert cap["decode_batch"] == int((16384 - 4096) / own) > 16384 // (2176 + 64)
+    # prefixes past half the cache: each request counted whole
+    tight = estimate_capacity(wl, gpu_h100_llama3_8b(), replace(cfg, kv_blocks=500))  # 4,096 > 8,000 / 2
+    assert tight["decode_batch"] == int(500 * 16 / (2176 + 64))
+
+
 # ---------------------------------------------------------------------- workloads
 def test_generated_shared_prefix_shape():
     wl = W.generated_shared_prefix(seed=3)
