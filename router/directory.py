@@ -325,8 +325,14 @@ class BlockDirectory:
             start = hi
         if start >= n:
             return 0
+        return self._record_run(rep, block_hashes, start, now + self.pending_ttl_s)
+
+    def _record_run(self, rep: _Replica, block_hashes: Sequence[BlockHash], start: int, deadline: float) -> int:
+        """Index ``block_hashes[start:]`` (non-empty) as a live run of ``rep``; its
+        deadline must not precede any queued run's (the expiry queue stays sorted)."""
+        n = len(block_hashes)
         tail = list(block_hashes[start:])
-        run = _Run(rep, tail, start, now + self.pending_ttl_s)
+        run = _Run(rep, tail, start, deadline)
         index = self._index
         keys = run.keys
         # index positions: the first stride from start (a later request stopping there
@@ -350,7 +356,7 @@ class BlockDirectory:
             ends.append(run)
         rep.runs[run] = None
         rep.pending_blocks += len(tail)
-        self._room[rep.bit] = rep.capacity - len(lru) - rep.pending_blocks
+        self._sync_room(rep)
         self._expiry.append(run)
         return len(tail)
 
@@ -588,18 +594,8 @@ class BlockDirectory:
         for remaining, rid, start, hashes in sorted(runs, key=lambda r: r[0]):  # the expiry queue stays sorted
             # positions before the run are unknown here: pad them (only its own hashes are indexed)
             blocks = [0] * start + [BlockHash(int(h, 16)) for h in hashes]
-            d._add_run(rid, blocks, start, now + remaining - d.pending_ttl_s)
+            d._record_run(d._get(rid), blocks, start, now + remaining)
         return d
-
-    def _add_run(self, replica_id: str, blocks: Sequence[BlockHash], start: int, now: float) -> None:
-        """Re-create a run exactly (restore): no trimming of confirmed blocks."""
-        rep = self._get(replica_id)
-        saved, rep.lru = rep.lru, OrderedDict()
-        try:
-            self.add_pending(replica_id, blocks, now, start)
-        finally:
-            rep.lru = saved
-            self._sync_room(rep)
 
     # ------------------------------------------------------------------ internals
     def _get(self, replica_id: str) -> _Replica:

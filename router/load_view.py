@@ -19,7 +19,7 @@ from operator import itemgetter
 from typing import Callable, Sequence
 
 from kvroute.replica.kv_events import LoadFigures
-from kvroute.router.types import ReplicaId, ReplicaLoad
+from kvroute.router.types import ReplicaId, ReplicaLoad, free_kv_blocks
 
 # (queued, rate, running, decode_step, interference, queue_len, backlog, free_blocks, measured)
 Columns = tuple[
@@ -109,8 +109,7 @@ class LoadView:
         self.interference[s] = f.decode_step_s if f.num_running else 0.0
         self.queue_len[s] = f.num_waiting + f.num_running
         self.backlog[s] = f.num_waiting
-        cap = self._capacity[s]
-        self.free_blocks[s] = round((1.0 - f.kv_usage) * cap) if cap else float("inf")
+        self.free_blocks[s] = free_kv_blocks(f.kv_usage, self._capacity[s])
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NewType, Sequence
 
@@ -29,6 +30,12 @@ class RouteDecision:
     replica_id: ReplicaId
     expected_cached_tokens: int
     reason: str
+
+
+def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:
+    """KV blocks no running request holds: ``(1 - kv_usage) × capacity_blocks``, or
+    infinite when the capacity is unknown (0)."""
+    return round((1.0 - kv_usage) * capacity_blocks) if capacity_blocks else math.inf
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,7 @@ class CandidateTable:
     ``rate`` = ``prefill_tokens_per_s``, ``running`` = ``num_running``,
     ``decode_step`` = ``decode_step_s``, ``queue_len``; ``interference[i]`` is
     ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0;
-    ``free_blocks[i]`` = ``(1 - kv_usage) × capacity_blocks`` (KV blocks no running
-    request holds, as of the last report; infinite when the capacity is unknown). ``measured``:
+    ``free_blocks[i]``: ``free_kv_blocks`` as of the last report. ``measured``:
     no candidate lacks a rate or a decode step time (else the policy fills them in).
     ``room(positions)`` gives the blocks of room left in those candidates' caches
     (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
@@ -121,7 +127,7 @@ class CandidateTable:
             [d if b else 0.0 for d, b in zip(step, running)],
             [ld.queue_len for ld in loads],
             [ld.num_waiting + ld.in_flight for ld in loads],
-            [round((1.0 - ld.kv_usage) * ld.capacity_blocks) if ld.capacity_blocks else float("inf") for ld in loads],
+            [free_kv_blocks(ld.kv_usage, ld.capacity_blocks) for ld in loads],
             all(rate) and all(step),
             room,
         )

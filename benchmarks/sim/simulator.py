@@ -201,14 +201,10 @@ class Simulation:
 
 
 # ---------------------------------------------------------------------- capacity
-def ideal_uncached_tokens(workload: Workload, block_size: int) -> list[int]:
-    """Per request, the prompt tokens a single infinite cache would still compute
-    (everything seen before, prompts and planned answers, is a hit)."""
-    return _ideal_cache(workload, block_size)[0]
-
-
-def _ideal_cache(workload: Workload, block_size: int) -> tuple[list[int], int]:
-    """(``ideal_uncached_tokens``, how many distinct blocks some later request hits)."""
+def ideal_cache(workload: Workload, block_size: int) -> tuple[list[int], int]:
+    """(per request, the prompt tokens a single infinite cache would still compute —
+    everything seen before, prompts and planned answers, is a hit —, how many distinct
+    blocks some later request hits)."""
     spec = HashSpec(block_size, 0, "capacity")
     seen: set[int] = set()
     reused: set[int] = set()
@@ -243,7 +239,7 @@ def estimate_capacity(workload: Workload, cost: CostModel, config: SimConfig) ->
     """
     reqs = workload.requests
     bs = config.block_size
-    uncached, reused_blocks = _ideal_cache(workload, bs)
+    uncached, reused_blocks = ideal_cache(workload, bs)
     avg_ctx = sum(r.num_prompt_tokens + r.output_len / 2 for r in reqs) / len(reqs)
     kv_tokens = config.kv_blocks * bs
     resident = reused_blocks * bs / config.num_replicas

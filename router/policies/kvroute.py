@@ -53,10 +53,10 @@ some candidate passes it:
   stays admissible where a non-owner (which would recompute the prefix and evict that
   replica's own prefixes) is not; and while every candidate has requests waiting
   (saturated, below), an owner of at least half the prompt is never blocked: the
-  request waits for blocks there rather than costing the fleet the prefix again. (A first version blocked any
-  replica at ``kv_usage ≥ 0.9`` with requests waiting: in a KV-bound fleet every
-  replica is "full", and it scattered hot groups — simulator, Zipf with KV for half the
-  prefixes: 0.74× cache_aware_sglang's throughput.)
+  request waits for blocks there rather than costing the fleet the prefix again. (A
+  first version blocked any replica at ``kv_usage ≥ 0.9`` with requests waiting: in a
+  KV-bound fleet every replica is "full", and it scattered hot groups — simulator, Zipf
+  with KV for half the prefixes: 0.74× cache_aware_sglang's throughput.)
 
 A new prefix (no candidate holds any of it) goes, among the eligible, to the replica
 whose cache has the most room left in blocks (capacity - cached - pending, within
@@ -78,6 +78,7 @@ rest.
 from __future__ import annotations
 
 from itertools import compress, repeat
+from math import inf
 from operator import and_, eq, le
 from typing import Any, ClassVar, Sequence
 
@@ -247,7 +248,7 @@ class KVRoutePolicy(Policy):
         # KV admission: free blocks less those the queued prefills take, against the
         # blocks this request needs there (an owner: only its suffix's)
         free = table.free_blocks
-        if min(free) < 1e18:
+        if min(free) < inf:  # some capacity known
             room = [f - q / block_size for f, q in zip(free, queued)]
             if min(room) * block_size < n:  # someone may be short: check each
                 fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]
