@@ -34,7 +34,8 @@ class GenerateRequest:
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
     # Written by the caller's Serve request router (it runs in the caller's process and
-    # sees this very object), read back by the client: where the request went and why.
+    # sees this very object, before Serve sends it), read back by the client: where the
+    # request went and why; the replica takes the router's ticket from it.
     route: "RouteTrace | None" = None
 
     @property
@@ -45,11 +46,13 @@ class GenerateRequest:
 @dataclass
 class RouteTrace:
     """How one request was routed: the replica that served it, the cached tokens the
-    router expected there (None when no router prediction applies), and the reason."""
+    router expected there (None when no router prediction applies), the reason, and the
+    router's ticket (0: none), which the replica reports back in its load figures."""
 
     replica_id: str | None = None
     expected_cached_tokens: int | None = None
     reason: str | None = None
+    ticket: int = 0
 
 
 @dataclass(frozen=True)

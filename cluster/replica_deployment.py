@@ -64,6 +64,7 @@ class EngineReplica:
             request_id=request.request_id,
             cache_salt=request.cache_salt,
             resume_output=request.resume_output,
+            route_ticket=request.route.ticket if request.route is not None else 0,
         ):
             yield delta
 
@@ -86,6 +87,7 @@ class EngineReplica:
                 "prefix_cache_hits": stats.prefix_cache_hits,
                 "num_preemptions": stats.num_preemptions,
                 "publisher_seq": self.publisher.seq,
+                "route_ticket": engine.scheduler.route_ticket,
                 **self.counters,
             }
 

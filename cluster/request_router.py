@@ -120,7 +120,9 @@ class KVRouteRequestRouter(RequestRouter):
             self._rankings[key] = ranking
             if len(self._rankings) > _MAX_REMEMBERED_RANKINGS:
                 self._rankings.popitem(last=False)
-            request.route = RouteTrace(ranking.replica_ids[0], ranking.expected_cached_tokens, ranking.reason)
+            request.route = RouteTrace(
+                ranking.replica_ids[0], ranking.expected_cached_tokens, ranking.reason, ranking.ticket
+            )
         ranks = [[by_id[rid]] for rid in ranking.replica_ids if rid in by_id]
         return ranks or self._power_of_two(candidate_replicas)
 

@@ -37,6 +37,7 @@ class Ranking:
     replica_ids: list[str]
     expected_cached_tokens: int
     reason: str
+    ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
 
 
 class RouterService:
@@ -134,7 +135,9 @@ class RouterService:
             return Ranking(unknown, 0, "unregistered")
         decision = self.router.route(block_hashes, num_tokens, known)
         rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
-        return Ranking([decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason)
+        return Ranking(
+            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket
+        )
 
     # ------------------------------------------------------------------ introspection
     def replicas(self) -> list[str]:

@@ -54,11 +54,12 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
+        route_ticket: int = 0,
     ) -> AsyncIterator[TokenDelta]:
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = self.engine.make_request(rid, token_ids, params, cache_salt, resume_output)
+        req = self.engine.make_request(rid, token_ids, params, cache_salt, resume_output, route_ticket)
         queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
         self._to_add.append(req)

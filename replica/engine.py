@@ -109,13 +109,15 @@ class Engine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
+        route_ticket: int = 0,
     ) -> Request:
         """Validate a request without touching engine state (safe from another thread).
 
         ``resume_output``: output tokens this request already produced elsewhere (a
         replica that died mid-stream). They count toward ``max_tokens`` / ``min_tokens``,
         penalties, seeded sampling and the detokenizer's state, and are not streamed
-        again, so the continuation equals an uninterrupted run.
+        again, so the continuation equals an uninterrupted run. ``route_ticket``: the
+        router's ticket for this request (reported back in ``LoadFigures.route_ticket``).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -155,7 +157,10 @@ class Engine:
                 f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
             )
+        if type(route_ticket) is not int or route_ticket < 0:
+            raise ValueError(f"route_ticket must be a non-negative int, got {route_ticket!r}")
         req = Request(rid, ids, params, self.hash_spec, cache_salt, self.eos_token_ids)
+        req.route_ticket = route_ticket
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
         if resumed:
             req.token_ids.extend(resumed)
@@ -180,8 +185,9 @@ class Engine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
+        route_ticket: int = 0,
     ) -> Request:
-        req = self.make_request(request_id, token_ids, params, cache_salt, resume_output)
+        req = self.make_request(request_id, token_ids, params, cache_salt, resume_output, route_ticket)
         self.add(req)
         return req
 

@@ -13,7 +13,13 @@ from kvroute.replica.block_hash import BlockHash
 
 @dataclass(frozen=True)
 class LoadFigures:
-    """A replica's load as of the end of a step."""
+    """A replica's load as of the end of a step.
+
+    ``route_ticket``: the highest router ticket (``RouteDecision.ticket``, carried on the
+    request) among the requests this replica had accepted when the figures were taken,
+    0 before any. The router keeps its optimistic increments for the requests it routed
+    here with a later ticket (still in transit, or waiting for the step in flight to
+    end) and drops the rest, which these figures already count."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -21,6 +27,7 @@ class LoadFigures:
     kv_usage: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    route_ticket: int = 0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Request:
     stop_reason: str | int | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
     detokenizer: Any = field(init=False, default=None)
+    route_ticket: int = field(init=False, default=0)  # the router's ticket for this request (0: none)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -73,10 +73,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_batch_size = 0  # largest number of rows in one step (for benchmarks)
+        self.route_ticket = 0  # highest router ticket of any request added (LoadFigures.route_ticket)
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if request.route_ticket > self.route_ticket:
+            self.route_ticket = request.route_ticket
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

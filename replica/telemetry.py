@@ -40,6 +40,7 @@ class ReplicaTelemetry:
             kv_usage=self.kv.usage,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_step_s=self.decode_step_s,
+            route_ticket=s.route_ticket,
         )
 
     def events(self) -> KVEvents:

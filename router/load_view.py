@@ -1,10 +1,18 @@
 """What the router believes about each replica's load (pure Python).
 
-A replica reports ``LoadFigures`` on every KV-event batch. Between two reports the router
-adds optimistic increments for each request it routed there: one more in flight, and the
-request's *uncached* prompt tokens (as the router predicted them) more queued prefill.
-A report supersedes them (the report already counts those requests, or they finished),
-so the increments reset to zero.
+A replica reports ``LoadFigures`` on every KV-event batch (and repeats the last ones on
+its heartbeat). Between two reports the router adds optimistic increments for each
+request it routed there: one more in flight, and the request's *uncached* prompt tokens
+(as the router predicted them) more queued prefill. A report supersedes the increments
+of the requests it already counts, and only those: each routed request carries its
+ticket (``RouteDecision.ticket``, increasing) to the replica, the report names the
+highest ticket the replica had accepted when its figures were taken
+(``LoadFigures.route_ticket``), and the increments of later tickets stay, until a report
+counts them or ``ttl_s`` passes (a request redirected or cancelled on its way). Without
+tickets a report taken before a request arrived would erase it: on a CPU replica, whose
+steps take seconds and which takes new requests only between steps, every heartbeat
+during a long prefill did, and the router saw that replica idle (a 2-replica run sent
+31 of 48 requests to one of them).
 
 Layout: each replica owns a slot (reused after removal) and every figure the policies
 read on the request path is a column (a list indexed by slot), so a report or an
@@ -15,6 +23,8 @@ for its candidates with one C-level ``itemgetter`` call. ``load(replica)`` build
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from operator import itemgetter
 from typing import Callable, Sequence
 
@@ -31,7 +41,11 @@ Columns = tuple[
 class LoadView:
     """Per-replica last report + optimistic increments since it."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
+        self.ttl_s = float(ttl_s)
+        self.clock = clock
         self._slot: dict[ReplicaId, int] = {}
         self._free: list[int] = []
         # columns, by slot; ``queued`` includes the routed-since-report increments
@@ -46,7 +60,9 @@ class LoadView:
         self.backlog: list[int] = []  # waiting + in_flight
         self.free_blocks: list[float] = []  # KV blocks free at the last report ((1 - kv_usage) x capacity)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
-        self._added: list[int] = []
+        # per slot: (ticket, uncached tokens, deadline) of each request routed there that
+        # no report counts yet, oldest first (tickets and deadlines both increase)
+        self._transit: list[deque[tuple[int, int, float]]] = []
         self._figures: list[LoadFigures] = []
         self._capacity: list[int] = []
         self._reports: list[int] = []
@@ -69,6 +85,7 @@ class LoadView:
         self._slot[rid] = s
         self._capacity[s] = capacity_blocks
         self._reports[s] = 0
+        self._transit[s] = deque()
         self._set(s, LoadFigures())
         self._getter_key = None
 
@@ -82,20 +99,33 @@ class LoadView:
 
     # ------------------------------------------------------------------ updates
     def report(self, replica_id: str, figures: LoadFigures) -> None:
-        """A fresh report from the replica: take it and drop the increments."""
+        """A report from the replica: take its figures, drop the increments of the
+        requests it counts (tickets up to ``figures.route_ticket``) and of those past
+        their deadline, and keep the rest on top."""
         s = self._get(replica_id)
         self._set(s, figures)
         self._reports[s] += 1
+        transit = self._transit[s]
+        if transit:
+            seen = figures.route_ticket
+            now = self.clock()
+            while transit and (transit[0][0] <= seen or transit[0][2] <= now):
+                transit.popleft()
+            for _, tokens, _ in transit:
+                self._bump(s, tokens)
 
-    def on_routed(self, replica_id: str, uncached_tokens: int) -> None:
-        self.on_routed_slot(self._get(replica_id), uncached_tokens)
+    def on_routed(self, replica_id: str, uncached_tokens: int, ticket: int = 0) -> None:
+        """A request routed to ``replica_id``; a ``ticket`` of 0 (none) is superseded
+        by the next report whatever it counts."""
+        s = self._get(replica_id)
+        self._bump(s, uncached_tokens)
+        self._transit[s].append((ticket, uncached_tokens, self.clock() + self.ttl_s))
 
-    def on_routed_slot(self, slot: int, uncached_tokens: int) -> None:
+    def _bump(self, slot: int, uncached_tokens: int) -> None:
         self.in_flight[slot] += 1
         self.queue_len[slot] += 1
         self.backlog[slot] += 1
         if uncached_tokens > 0:
-            self._added[slot] += uncached_tokens
             self.queued[slot] += uncached_tokens
         self._cached[slot] = None
 
@@ -115,7 +145,6 @@ class LoadView:
         else:
             self._unmeasured.add(s)
         self.in_flight[s] = 0
-        self._added[s] = 0
         self._cached[s] = None
 
     # ------------------------------------------------------------------ queries
@@ -189,7 +218,8 @@ class LoadView:
     def _all_columns(self) -> list[list]:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
-            self.interference, self.queue_len, self.backlog, self.free_blocks, self._added, self._figures, self._capacity, self._reports, self._cached,
+            self.interference, self.queue_len, self.backlog, self.free_blocks, self._transit, self._figures,
+            self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 
     def _get(self, replica_id: str) -> int:

@@ -3,8 +3,9 @@
 It implements ``ClusterView`` for its policy. ``route`` asks the policy, then records
 the request's blocks as *pending* on the chosen replica (optimistic insert: the next
 request sharing that new prefix sees it at once, instead of the whole burst scattering
-before the replica's first KV event), bumps that replica's load increments, and calls
-``policy.on_routed``. Nothing here is thread-safe: one caller (the router actor) drives
+before the replica's first KV event), bumps that replica's load increments under the
+decision's ticket (``RouteDecision.ticket``; the caller hands it to the replica, whose
+reports name the tickets they count: see ``LoadView``), and calls ``policy.on_routed``. Nothing here is thread-safe: one caller (the router actor) drives
 it.
 
 Request path: ``candidate_table`` hands the kvroute policy the directory's match and
@@ -67,7 +68,10 @@ class Router:
         self.clock = clock
         self.policy = _make_policy(policy, policy_kwargs)
         self.directory = BlockDirectory(pending_ttl_s, clock)
-        self.loads = LoadView()
+        self.loads = LoadView(pending_ttl_s, clock)
+        # tickets start at the wall clock in microseconds, so a restarted router's are
+        # above its predecessor's (replicas report the highest they have seen)
+        self._ticket = time.time_ns() // 1000
         self._reasons: Counter[str] = Counter()
         self._routed_to: Counter[str] = Counter()
         self._events_applied = 0
@@ -177,7 +181,9 @@ class Router:
             cached = max(num_tokens - 1, 0)
         if held < len(block_hashes):
             self.directory.add_pending(chosen, block_hashes, start=held)
-        self.loads.on_routed(chosen, num_tokens - cached)
+        self._ticket = ticket = self._ticket + 1
+        decision.ticket = ticket
+        self.loads.on_routed(chosen, num_tokens - cached, ticket)
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
@@ -221,6 +227,8 @@ class Router:
             "decisions": sum(self._reasons.values()),
             "decisions_by_reason": dict(self._reasons),
             "decisions_by_replica": dict(self._routed_to),
+            # requests routed to each replica that no report of it counts yet
+            "in_flight_by_replica": {rid: self.loads.load(rid).in_flight for rid in self.directory.replicas()},
             "events_applied": self._events_applied,
             "events_gap": self._events_gap,
             "events_unknown_replica": self._events_unknown,
@@ -241,7 +249,7 @@ class Router:
         router = cls(policy, state["block_size"], **kwargs)
         router.directory = BlockDirectory.restore(state["directory"], router.clock)
         router.directory.pending_ttl_s = kwargs["pending_ttl_s"]
-        router.loads = LoadView()
+        router.loads = LoadView(kwargs["pending_ttl_s"], router.clock)
         router.load = router.loads.load  # type: ignore[method-assign]
         router._all = tuple(router.directory.replicas())
         router._given = None

@@ -21,15 +21,19 @@ class RouteRequest:
     candidates: Sequence[ReplicaId]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RouteDecision:
     """Where a request goes, how many of its tokens the router expects to be cached
     there, and why (a short machine-readable reason, e.g. "prefix", "load",
-    "hot_prefix_replica", "round_robin", "no_candidates")."""
+    "hot_prefix_replica", "round_robin", "no_candidates"). ``ticket``: set by the
+    ``Router`` (policies leave it 0), unique and increasing across its decisions; the
+    request carries it to the replica, whose load reports name the highest ticket they
+    count (``LoadFigures.route_ticket``)."""
 
     replica_id: ReplicaId
     expected_cached_tokens: int
     reason: str
+    ticket: int = 0
 
 
 def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:

@@ -125,6 +125,7 @@ class Simulation:
         decision = self.router.route(hashes, spec.num_prompt_tokens)
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
+        req.route_ticket = decision.ticket
         rep.add(SimRequest(spec, req, self.now, rep.replica_id, decision.expected_cached_tokens, decision.reason))
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         if not rep.busy:

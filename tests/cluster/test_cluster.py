@@ -106,6 +106,14 @@ def test_shared_prefix_lands_on_its_holder_and_unrelated_requests_spread(app):
     states = _settle(router, config)
     holders = [rid for rid, s in states.items() if set(hash_blocks(config.hash_spec, PREFIX)) <= set(s["cached_block_hashes"])]
     assert len(holders) == 1
+    # The holder got the router's tickets with its requests and reports them back, so the
+    # router drops its optimistic increments with the next report, not at their TTL
+    assert states[holders[0]]["route_ticket"] > 0
+    wait_until(
+        lambda: not any(ray.get(router.stats.remote())["in_flight_by_replica"].values()),
+        min(2.0, config.heartbeat_s * 3),
+        "the replicas' reports to count every request routed to them",
+    )
 
     async def unrelated():
         return await asyncio.gather(

@@ -548,3 +548,22 @@ def test_bad_resume_output_is_rejected(llm, prompt):
     with pytest.raises(ValueError, match="resume_output token ids"):
         llm.engine.add_request("r2", prompt, SamplingParams(max_tokens=3), resume_output=[VOCAB])
     assert not llm.engine.requests
+
+
+def test_route_ticket_is_reported_in_the_load_figures(llm, prompt):
+    eng = llm.engine
+    for bad in (-1, 1.5, "7", True):
+        with pytest.raises(ValueError, match="route_ticket must be a non-negative int"):
+            eng.add_request("bad", prompt, SamplingParams(max_tokens=2), route_ticket=bad)
+    assert not eng.requests
+    before = eng.load().route_ticket
+    eng.add_request("t1", prompt, SamplingParams(max_tokens=2), route_ticket=before + 10)
+    eng.add_request("t0", prompt, SamplingParams(max_tokens=2), route_ticket=before + 5)  # arrived late
+    eng.add_request("t-", prompt, SamplingParams(max_tokens=2))  # no ticket (not routed by the router)
+    assert eng.load().route_ticket == before + 10  # the highest accepted, whatever the order
+    out = eng.step()
+    assert out.kv_events.load.route_ticket == before + 10
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.load().route_ticket == before + 10
+    assert_no_leak(llm)

@@ -101,22 +101,53 @@ def test_policy_hooks_and_candidates_subset():
     assert r.prefix_match(h, ["r0", "r1"]) == {"r0": 0, "r1": 0}
 
 
-def test_load_view_increments_and_reset_on_report():
-    r, _ = cluster(2, First())
+def test_load_view_increments_superseded_by_the_reports_that_count_them():
+    r, clock = cluster(2, First())
     h, n = prompt(0, 4, 0)  # 4 blocks + 10 tokens = 74 tokens
-    r.route(h, n)
+    d1 = r.route(h, n)
     assert r.load("r0").in_flight == 1 and r.load("r0").queued_prefill_tokens == n
-    r.route(h, n)  # now 4 blocks pending there: 74 - 64 uncached
+    d2 = r.route(h, n)  # now 4 blocks pending there: 74 - 64 uncached
+    assert 0 < d1.ticket < d2.ticket
     L = r.load("r0")
     assert L.in_flight == 2 and L.queued_prefill_tokens == n + (n - 64) and L.queue_len == 2
     assert L.capacity_blocks == 1000
-    fig = LoadFigures(num_waiting=1, num_running=1, queued_prefill_tokens=50, kv_usage=0.25,
-                      prefill_tokens_per_s=5000.0, decode_step_s=0.01)
-    assert r.apply(KVEvents("r0", 1, stored=list(h), load=fig))
+    fig = dict(num_waiting=1, num_running=1, queued_prefill_tokens=50, kv_usage=0.25,
+               prefill_tokens_per_s=5000.0, decode_step_s=0.01)
+    # a report taken before either request arrived (a heartbeat repeating the last
+    # step's figures, say) keeps both increments on top of its figures
+    assert r.apply(KVEvents("r0", 1, stored=list(h), load=LoadFigures(**fig, route_ticket=d1.ticket - 1)))
     L = r.load("r0")
-    assert (L.in_flight, L.queued_prefill_tokens, L.num_waiting, L.num_running) == (0, 50, 1, 1)
+    assert (L.in_flight, L.queued_prefill_tokens, L.num_waiting, L.num_running) == (2, 50 + n + (n - 64), 1, 1)
     assert (L.kv_usage, L.prefill_tokens_per_s, L.decode_step_s) == (0.25, 5000.0, 0.01)
+    # one that counts the first: only the second's increment stays
+    assert r.apply(KVEvents("r0", 2, load=LoadFigures(**fig, route_ticket=d1.ticket)))
+    L = r.load("r0")
+    assert (L.in_flight, L.queued_prefill_tokens, L.queue_len) == (1, 50 + n - 64, 3)
+    # one that counts both (or later tickets): the figures alone
+    assert r.apply(KVEvents("r0", 3, load=LoadFigures(**fig, route_ticket=d2.ticket + 5)))
+    L = r.load("r0")
+    assert (L.in_flight, L.queued_prefill_tokens, L.queue_len) == (0, 50, 2)
     assert r.load("r1") == r.load("r1").__class__(capacity_blocks=1000)
+
+
+def test_load_view_increment_expires_when_no_report_counts_it():
+    r, clock = cluster(2, First())
+    h, n = prompt(0, 2, 0)
+    r.route(h, n)
+    clock.t += r.directory.pending_ttl_s - 0.1
+    d = r.route(h, n)
+    assert r.apply(KVEvents("r0", 1, load=LoadFigures(num_waiting=3)))  # no ticket: counts neither
+    assert r.load("r0").in_flight == 2
+    clock.t += 0.2  # the first is past its deadline (redirected or cancelled on its way)
+    assert r.apply(KVEvents("r0", 2, load=LoadFigures(num_waiting=3)))
+    L = r.load("r0")
+    assert (L.in_flight, L.queue_len, L.queued_prefill_tokens) == (1, 4, n - 32)
+    assert r.apply(KVEvents("r0", 3, load=LoadFigures(num_waiting=4, route_ticket=d.ticket)))
+    assert r.load("r0").in_flight == 0
+    # a restarted router's tickets are above its predecessor's
+    restarted = Router(First(), 16)
+    restarted.add_replica("r0", 1000)
+    assert restarted.route(h, n).ticket > d.ticket
 
 
 def test_apply_gap_takes_load_and_snapshot_recovers():
