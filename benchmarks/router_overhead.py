@@ -20,6 +20,7 @@ Hashes are random 128-bit ints: the directory treats them as opaque keys.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import random
@@ -113,14 +114,16 @@ def run(args: argparse.Namespace) -> dict:
     cpu_ns: list[int] = []
     by_kind: dict[str, list[int]] = {"full_hit": [], "half_hit": [], "cold": []}
     kinds = ["full_hit", "full_hit", "half_hit", "cold"]
+    ticket = 0
     for k, hashes in enumerate(reqs):
-        if k % 64 == 0:  # replicas report: the optimistic increments reset
+        if k % 64 == 0:  # replicas report, counting every request routed so far
+            counted = dataclasses.replace(load, route_ticket=ticket)
             for rid in seqs:
                 seqs[rid] += 1
-                router.apply(KVEvents(rid, seqs[rid], [], [], False, load))
+                router.apply(KVEvents(rid, seqs[rid], [], [], False, counted))
         c = cpu()
         t = perf()
-        route(hashes, n_tokens)
+        ticket = route(hashes, n_tokens).ticket
         dt = perf() - t
         dc = cpu() - c
         if k >= args.warmup:

@@ -177,7 +177,7 @@ class KVRouteRequestRouter(RequestRouter):
         if route.replica_id is not None and route.replica_id != chosen:
             # The router's choice was full, Serve took the next one: its prediction was
             # for another replica.
-            route = RouteTrace(chosen, None, "next_ranked")
+            route = RouteTrace(chosen, None, "next_ranked", route.ticket)
         route.replica_id = chosen
         request.route = route
 
