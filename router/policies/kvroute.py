@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from math import inf
-from operator import and_, eq, le
+from operator import and_, eq, ge, le
 from typing import Any, ClassVar, Sequence
 
 from kvroute.router.policy import ClusterView, Policy
@@ -174,7 +174,7 @@ class KVRoutePolicy(Policy):
     def _fastest(positions: list[int], ts: list[float], qlen: Sequence[int]) -> int:
         """The position with the smallest TTFT, then the shorter queue, then the first
         (``positions`` ascending): ``min`` by ``(ts, qlen, i)`` in C-level passes."""
-        sub = [ts[i] for i in positions]
+        sub = list(map(ts.__getitem__, positions))
         m = min(sub)
         if sub.count(m) == 1:
             return positions[sub.index(m)]
@@ -241,14 +241,17 @@ class KVRoutePolicy(Policy):
         # while some candidate is neither
         qlen = table.queue_len
         saturated = self.saturated_stick and min(table.backlog) > 0
-        blimit = self.batch_limit(qlen)
+        low = min(qlen)  # batch_limit, inlined
+        blimit = max(low * self.batch_slack_rel, low + self.batch_slack_abs)
         ok: list[bool] | None = None
         if max(qlen) > blimit:
             ok = [x <= blimit for x in qlen]
         # KV admission: free blocks less those the queued prefills take, against the
-        # blocks this request needs there (an owner: only its suffix's)
+        # blocks this request needs there (an owner: only its suffix's); the exact pass
+        # only when the fleet-wide bound (least free, most queued) leaves someone short
         free = table.free_blocks
-        if min(free) < inf:  # some capacity known
+        least = min(free)
+        if least < inf and least * block_size - max(queued) < n:  # some capacity known
             room = [f - q / block_size for f, q in zip(free, queued)]
             if min(room) * block_size < n:  # someone may be short: check each
                 fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]
@@ -275,7 +278,9 @@ class KVRoutePolicy(Policy):
                 # owner may be slower by what its prefix saves the fleet
                 per_token += 1.0 / fleet_rate
             owners = [i for i in cached if ts[i] <= best + per_token * cached[i] and (ok is None or ok[i])]
-            if owners:
+            if len(owners) == 1:
+                pick = owners[0]
+            elif owners:
                 pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
         if pick < 0:
             if not longest and table.room is not None:
@@ -287,7 +292,7 @@ class KVRoutePolicy(Policy):
                     # so it is not evicted before its group comes back.
                     rooms = table.room(eligible)
                     high = max(rooms) - self.fill_slack * num_blocks
-                    eligible = [i for i, f in zip(eligible, rooms) if f >= high]
+                    eligible = list(compress(eligible, map(ge, rooms, repeat(high))))
                 pick = self._fastest(eligible, ts, qlen)
             elif ts.count(best) == 1:  # the usual case: one fastest replica
                 pick = ts.index(best)
