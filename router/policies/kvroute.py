@@ -94,6 +94,7 @@ class KVRoutePolicy(Policy):
     no replica's batch runs ahead of the lightest one's by more than the batch slack."""
 
     name: ClassVar[str] = "kvroute"
+    _shortcut: ClassVar[bool] = True  # the owner shortcut in choose_from (tests turn it off to compare)
 
     def __init__(
         self,
@@ -219,13 +220,13 @@ class KVRoutePolicy(Policy):
             fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interf = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
         S = self.step_tokens
-        # predicted TTFT with nothing cached (predict_ttft, inlined; + 0.0 changes no
-        # float), then the owners' with their cached prefix
-        ts = [(w := q + n) / fleet_rate + -(-w // S) * d for q, d in zip(queued, interf)]
+        # the owners' cached prefixes and predicted TTFTs (predict_ttft, inlined)
         depth = table.depth
         cap = max(n - 1, 0)
         cached: dict[int, int] = {}
+        own_ts: dict[int, float] = {}
         longest = 0
+        top = -1  # the owner with the longest prefix, -1 if two share it
         if any(depth):
             for i in compress(range(len(depth)), depth):
                 c = depth[i] * block_size
@@ -233,9 +234,11 @@ class KVRoutePolicy(Policy):
                     c = cap
                 cached[i] = c
                 if c > longest:
-                    longest = c
+                    longest, top = c, i
+                elif c == longest:
+                    top = -1
                 w = queued[i] + n - c
-                ts[i] = w / fleet_rate + -(-w // S) * interf[i]
+                own_ts[i] = w / fleet_rate + -(-w // S) * interf[i]
         # decode-aware: a replica whose batch ran past the limit takes no more; nor does
         # one without the free KV blocks this request needs there (admission-blocked),
         # while some candidate is neither
@@ -243,15 +246,38 @@ class KVRoutePolicy(Policy):
         saturated = self.saturated_stick and min(table.backlog) > 0
         low = min(qlen)  # batch_limit, inlined
         blimit = max(low * self.batch_slack_rel, low + self.batch_slack_abs)
+        over = max(qlen) > blimit
+        free = table.free_blocks
+        least = min(free)
+        kv_short = least < inf and least * block_size - max(queued) < n  # someone may lack KV room
+        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
+            # Shortcut, same decision: no one is KV-blocked, the top owner is admissible,
+            # and ``lb`` (the least queue's uncached TTFT without interference, or an
+            # owner's) is at most the best TTFT of any admissible candidate; the slack
+            # grows with the best, so an owner within the slack of ``lb`` is eligible,
+            # and the unique longest eligible owner wins. The other candidates' TTFTs are
+            # then never needed.
+            lb = (min(queued) + n) / fleet_rate
+            m = min(own_ts.values())
+            if m < lb:
+                lb = m
+            per_token = (lb * (self.slack_rel - 1.0) + self.slack_abs_s) / n  # as below, with lb for best:
+            if saturated:  # each float step is monotone, so this bound is at most the exact one
+                per_token += 1.0 / fleet_rate
+            if own_ts[top] <= lb + per_token * longest:
+                return RouteDecision(cands[top], longest, "prefix")
+        # predicted TTFT with nothing cached (+ 0.0 changes no float), the owners' with
+        # their prefix
+        ts = [(w := q + n) / fleet_rate + -(-w // S) * d for q, d in zip(queued, interf)]
+        for i, t in own_ts.items():
+            ts[i] = t
         ok: list[bool] | None = None
-        if max(qlen) > blimit:
+        if over:
             ok = [x <= blimit for x in qlen]
         # KV admission: free blocks less those the queued prefills take, against the
         # blocks this request needs there (an owner: only its suffix's); the exact pass
         # only when the fleet-wide bound (least free, most queued) leaves someone short
-        free = table.free_blocks
-        least = min(free)
-        if least < inf and least * block_size - max(queued) < n:  # some capacity known
+        if kv_short:
             room = [f - q / block_size for f, q in zip(free, queued)]
             if min(room) * block_size < n:  # someone may be short: check each
                 fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]

@@ -276,3 +276,54 @@ def test_new_prefix_goes_to_the_roomiest_cache_within_half_a_request():
     toks = [5] * (16 * 64 + 10)
     d = r.route(hash_blocks(SPEC, toks), len(toks))
     assert (d.replica_id, d.reason) == ("a", "cold")
+
+
+class _NoShortcut(KVRoutePolicy):
+    _shortcut = False
+
+
+def test_owner_shortcut_decides_as_the_full_pass():
+    """choose_from's shortcut for a clear owner skips the other candidates' TTFTs; on
+    random tables (ties, unmeasured replicas, batch-limited and KV-short candidates,
+    saturated fleets) it must give exactly the full pass's decision."""
+    import math
+    import random
+
+    from kvroute.router.types import CandidateTable
+
+    rng = random.Random(7)
+    fired = 0
+    for trial in range(3000):
+        k = rng.randint(1, 8)
+        n = rng.randint(1, 4000)
+        blocks = n // 16
+        depth = [rng.choice([0, 0, rng.randint(0, blocks), blocks]) if blocks else 0 for _ in range(k)]
+        running = [rng.randint(0, 40) for _ in range(k)]
+        measured = rng.random() < 0.8
+        rate = [rng.choice([500.0, 8000.0, 20000.0 * rng.random() + 1]) if measured or rng.random() < 0.5 else 0.0 for _ in range(k)]
+        step = [rng.random() * 0.05 if measured or rng.random() < 0.5 else 0.0 for _ in range(k)]
+        waiting = [rng.choice([0, rng.randint(0, 30)]) for _ in range(k)]
+        free = [rng.choice([math.inf, rng.randint(0, 400), rng.randint(0, 20000)]) for _ in range(k)]
+        table = CandidateTable(
+            [f"r{i}" for i in range(k)],
+            depth,
+            [rng.choice([0, rng.randint(0, 20000)]) for _ in range(k)],
+            rate,
+            running,
+            step,
+            [d if b else 0.0 for d, b in zip(step, running)],
+            [w + r for w, r in zip(waiting, running)],
+            waiting,
+            free,
+            measured and all(rate) and all(step),
+            lambda positions: [50 + i for i in positions],  # room: the later candidates' caches are roomier
+        )
+        kw = dict(saturated_stick=rng.random() < 0.7, slack_rel=rng.choice([1.0, 1.2, 2.0]))
+        fast = KVRoutePolicy(**kw).choose_from(table, n, 16, blocks)
+        full = _NoShortcut(**kw).choose_from(table, n, 16, blocks)
+        assert (fast.replica_id, fast.expected_cached_tokens, fast.reason) == (
+            full.replica_id, full.expected_cached_tokens, full.reason,
+        ), (trial, n, kw, depth, table.queued, rate, step, running, waiting, free)
+        owners = [d for d in depth if d]
+        fired += bool(owners) and owners.count(max(owners)) == 1 and fast.reason == "prefix"
+    assert fired > 300  # tables where the shortcut may decide (one longest owner, and it won) were common
