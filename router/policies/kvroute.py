@@ -72,7 +72,9 @@ non-empty prefix than the best).
 Request path: ``choose`` reads a ``CandidateTable`` (columns, from
 ``Router.candidate_table``; or built from the plain ``ClusterView`` calls), so the
 per-candidate work is one list comprehension for the TTFTs and C-level passes for the
-rest.
+rest. A request with one clear owner (the only one holding its longest prefix, admissible,
+no candidate short of KV) skips even the comprehension: a lower bound on the best TTFT
+settles that the owner is within its slack, which is the full pass's decision too.
 """
 
 from __future__ import annotations
