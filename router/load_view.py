@@ -39,7 +39,8 @@ Columns = tuple[
 
 
 class LoadView:
-    """Per-replica last report + optimistic increments since it."""
+    """Per-replica last report + optimistic increments for the requests routed there
+    that no report counts yet."""
 
     def __init__(self, ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
