@@ -123,6 +123,14 @@ def _router_families(
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([model_name], float(router.get(key, 0)))
             yield g
+        g = GaugeMetricFamily(
+            "kvroute:router_in_flight",
+            "Requests the router sent to a replica that the replica's load reports do not count yet.",
+            labels=[*labels, "replica"],
+        )
+        for rid, count in sorted(router.get("in_flight_by_replica", {}).items()):
+            g.add_metric([model_name, rid], float(count))
+        yield g
     if fallbacks is not None:
         c = CounterMetricFamily("kvroute:router_fallbacks", "Requests routed without the router (power of two).", labels=labels)
         c.add_metric([model_name], float(fallbacks))

@@ -82,10 +82,13 @@ def test_metrics_cover_every_replica_and_the_router(app):
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         seen = {s.labels["replica"] for s in fams["vllm:num_requests_running"].samples}
         hits = sum(s.value for s in fams["vllm:prefix_cache_hits"].samples)
-        return fams if seen == replicas and hits > 0 else None
+        # requests routed to each replica that its load reports do not count yet: none,
+        # once the replicas have reported after the earlier requests
+        in_flight = {s.labels["replica"]: s.value for s in fams["kvroute:router_in_flight"].samples}
+        return fams if seen == replicas and hits > 0 and in_flight == dict.fromkeys(replicas, 0.0) else None
 
     # Replicas report about once a second: wait for reports that include the earlier hits.
-    fams = wait_until(families, 15, "a metrics report from every replica, with the cache hits", interval_s=0.5)
+    fams = wait_until(families, 15, "a metrics report from every replica, with the cache hits, nothing in flight", interval_s=0.5)
     for name in ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:num_preemptions"):
         assert name in fams
