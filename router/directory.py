@@ -543,10 +543,8 @@ class BlockDirectory:
         room = self._room
         if candidates is self._cand_key:
             reps = self._cand_val[0]
-        else:
-            reps = [self._get(candidates[i]) for i in positions]
-            positions = range(len(positions))
-        return [room[reps[i].bit] for i in positions]
+            return [room[reps[i].bit] for i in positions]
+        return [room[self._get(candidates[i]).bit] for i in positions]
 
     def num_blocks(self) -> int:
         """Distinct hashes some replica has confirmed."""

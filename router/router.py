@@ -5,8 +5,8 @@ the request's blocks as *pending* on the chosen replica (optimistic insert: the 
 request sharing that new prefix sees it at once, instead of the whole burst scattering
 before the replica's first KV event), bumps that replica's load increments under the
 decision's ticket (``RouteDecision.ticket``; the caller hands it to the replica, whose
-reports name the tickets they count: see ``LoadView``), and calls ``policy.on_routed``. Nothing here is thread-safe: one caller (the router actor) drives
-it.
+reports name the tickets they count: see ``LoadView``), and calls ``policy.on_routed``.
+Nothing here is thread-safe: one caller (the router actor) drives it.
 
 Request path: ``candidate_table`` hands the kvroute policy the directory's match and
 the load columns for the candidates in one object (``CandidateTable``), and ``route``

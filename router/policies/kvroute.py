@@ -173,6 +173,19 @@ class KVRoutePolicy(Policy):
         low = min(queue_lens)
         return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
 
+    def _slack(self, best: float) -> float:
+        """How much slower than ``best`` (the smallest admissible TTFT) a replica may
+        be and still count as near it."""
+        return best * (self.slack_rel - 1.0) + self.slack_abs_s
+
+    @staticmethod
+    def _per_token(slack: float, n: int, fleet_rate: float, saturated: bool) -> float:
+        """An owner's slack per cached token of an ``n``-token prompt: its share of
+        ``slack``, plus, while every candidate has requests waiting (the fleet is the
+        bottleneck, and a prefix recomputed elsewhere delays everyone queued there),
+        the prefill time each cached token saves the fleet."""
+        return slack / n + 1.0 / fleet_rate if saturated else slack / n
+
     @staticmethod
     def _fastest(positions: list[int], ts: list[float], qlen: Sequence[int]) -> int:
         """The position with the smallest TTFT, then the shorter queue, then the first
@@ -246,8 +259,7 @@ class KVRoutePolicy(Policy):
         # while some candidate is neither
         qlen = table.queue_len
         saturated = self.saturated_stick and min(table.backlog) > 0
-        low = min(qlen)  # batch_limit, inlined
-        blimit = max(low * self.batch_slack_rel, low + self.batch_slack_abs)
+        blimit = self.batch_limit(qlen)
         over = max(qlen) > blimit
         free = table.free_blocks
         least = min(free)
@@ -263,9 +275,9 @@ class KVRoutePolicy(Policy):
             m = min(own_ts.values())
             if m < lb:
                 lb = m
-            per_token = (lb * (self.slack_rel - 1.0) + self.slack_abs_s) / n  # as below, with lb for best:
-            if saturated:  # each float step is monotone, so this bound is at most the exact one
-                per_token += 1.0 / fleet_rate
+            # the full pass's test with lb for best: each float step is monotone, so
+            # this bound is at most the exact one
+            per_token = self._per_token(self._slack(lb), n, fleet_rate, saturated)
             if own_ts[top] <= lb + per_token * longest:
                 return RouteDecision(cands[top], longest, "prefix")
         # predicted TTFT with nothing cached (+ 0.0 changes no float), the owners' with
@@ -292,19 +304,14 @@ class KVRoutePolicy(Policy):
                 if any(fits):
                     ok = fits
         best = min(ts) if ok is None else min(compress(ts, ok))
-        slack = best * (self.slack_rel - 1.0) + self.slack_abs_s
+        slack = self._slack(best)
         limit = best + slack
         pick = -1
         if cached:
             # An owner's slack is its share of the prompt: sticking to a replica is worth
             # what its prefix saves, so a 16-token hit on a 3,000-token prompt buys no
             # queueing, while a shared system prompt keeps its group together.
-            per_token = slack / n
-            if saturated:
-                # every candidate has requests waiting: the fleet is the bottleneck, and a
-                # prefix recomputed elsewhere delays everyone queued there too, so the
-                # owner may be slower by what its prefix saves the fleet
-                per_token += 1.0 / fleet_rate
+            per_token = self._per_token(slack, n, fleet_rate, saturated)
             owners = [i for i in cached if ts[i] <= best + per_token * cached[i] and (ok is None or ok[i])]
             if len(owners) == 1:
                 pick = owners[0]
