@@ -8,12 +8,17 @@
 3. chunked prefill end to end with the page-aligned KV store vs the per-token path;
 4. offline throughput on the nano-vllm shape: 256 requests, input and output lengths
    uniform in [100, 1024], Qwen3-0.6B-shaped random weights, ignore_eos; plus
-   transformers' generate on a subset, for scale.
+   transformers' generate on a subset, for scale;
+5. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
+   Llama-3-8B-shaped model (bf16): decode steps over a grid of batch sizes and context
+   lengths and prefill steps of several sizes, fitted to
+   ``overhead + batch * per_seq + context_tokens * per_ctx_token`` and
+   ``prefill_tokens / rate`` (see benchmarks/sim/cost_model.py).
 
 Random checkpoints are saved to a temp dir (config + safetensors + a word-level fast
 tokenizer) and loaded through the engine's real loader.
 
-    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--out FILE]
+    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--cost-model] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
         tie_word_embeddings=True, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
     "qwen3-0.6b": dict(
@@ -203,6 +215,61 @@ def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
     return out
 
 
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    a = torch.tensor(rows, dtype=torch.float64)
+    return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+
+
+def bench_cost_model(folder: Path, quick: bool) -> dict[str, Any]:
+    """Step times of a Llama-3-8B-shaped model through the engine's ModelRunner (CUDA
+    graphs for decode, as the engine runs), fitted to the simulator's cost model."""
+    from kvroute.replica.cuda_graphs import default_graph_sizes
+    from kvroute.replica.model_runner import ModelRunner
+    from kvroute.replica.models.arch import ModelArch
+    from kvroute.replica.weights import load_hf_config
+
+    arch = ModelArch.from_hf_config(load_hf_config(folder))
+    bs = 16
+    batches = [1, 16, 64] if quick else [1, 8, 16, 32, 64, 128]
+    contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
+    grid = [(b, c) for b in batches for c in contexts if b * c <= 128 * 2048]  # KV of at most 256k tokens (32 GiB)
+    max_rows = max(b * -(-(c + 1) // bs) for b, c in grid)
+    prefills = [512, 2048] if quick else [256, 512, 1024, 2048, 4096]
+    num_blocks = max(max_rows, -(-max(prefills) // bs)) + 16
+    t0 = time.perf_counter()
+    runner = ModelRunner(arch, folder, num_blocks, bs, torch.device("cuda"), torch.bfloat16, 8192, default_graph_sizes(max(batches)))
+    load_s = time.perf_counter() - t0
+    kv_bytes_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
+    iters = 5 if quick else 10
+    decode, prefill = [], []
+    for b, c in grid:
+        t = _time_steps(runner, _rows(b, c, 1, bs), iters)
+        decode.append(dict(batch=b, context=c, step_ms=t * 1e3))
+        print(f"8b decode b={b:3d} ctx={c:4d}: {t*1e3:.2f} ms")
+    for n in prefills:
+        t = _time_steps(runner, _rows(1, 0, n, bs), iters)
+        prefill.append(dict(tokens=n, step_ms=t * 1e3))
+        print(f"8b prefill {n:4d} tokens: {t*1e3:.2f} ms ({n/t:.0f} tok/s)")
+    overhead, per_seq, per_ctx = _least_squares([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode],
+                                                [d["step_ms"] / 1e3 for d in decode])  # fmt: skip
+    # Prefill: time = overhead + tokens / rate (one row, no decode), fitted with the
+    # decode fit's overhead held fixed so the two share one intercept.
+    rate = sum(d["tokens"] for d in prefill) / sum(max(d["step_ms"] / 1e3 - overhead, 1e-9) for d in prefill)
+    props = torch.cuda.get_device_properties(0)
+    free_after = torch.cuda.mem_get_info()[0]
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in runner.model.parameters()}.values())
+    # KV the card would hold with this model: 90% of its memory less the weights and 4 GiB
+    # of activations / graphs (what the engine's kv_cache_memory_gb default leaves).
+    kv_tokens = int((0.9 * props.total_memory - weight_bytes - 4 * 2**30) / kv_bytes_per_token)
+    fit = dict(overhead_s=overhead, decode_s_per_seq=per_seq, attn_s_per_ctx_token=per_ctx, prefill_tokens_per_s=rate,
+               kv_blocks_per_replica=kv_tokens // 16)  # fmt: skip
+    worst = max(abs(overhead + per_seq * d["batch"] + per_ctx * d["batch"] * d["context"] - d["step_ms"] / 1e3) / (d["step_ms"] / 1e3) for d in decode)
+    print(f"8b fit: overhead {overhead*1e3:.2f} ms, per seq {per_seq*1e6:.1f} us, per ctx token {per_ctx*1e9:.2f} ns, "
+          f"prefill {rate:.0f} tok/s, KV {kv_tokens} tokens; decode fit worst error {worst:.0%}")  # fmt: skip
+    return dict(device=props.name, load_s=load_s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                free_bytes_after=free_after, decode=decode, prefill=prefill, fit=fit, decode_fit_worst_rel_error=worst)  # fmt: skip
+
+
 def bench_offline(folder: Path, quick: bool, hf_requests: int) -> dict[str, Any]:
     from kvroute.replica.llm import LLM
     from kvroute.replica.sampling_params import SamplingParams
@@ -251,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, iterations and requests")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--cost-model", action="store_true", help="only measure the simulator's GPU cost model (Llama-3-8B shape)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests run through transformers' generate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -259,6 +327,15 @@ def main(argv: list[str] | None = None) -> None:
     from kvroute.benchmarks.common import write_result
 
     result: dict[str, Any] = {}
+    if args.cost_model:
+        with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
+            result = bench_cost_model(random_checkpoint(SHAPES["llama-3-8b"], Path(tmp) / "llama8b", torch.bfloat16, "cuda"), args.quick)
+        f = result["fit"]
+        summary = (f"cost model ({result['device']}, Llama-3-8B shape): overhead {f['overhead_s']*1e3:.2f} ms, "
+                   f"{f['decode_s_per_seq']*1e6:.0f} us/seq, {f['attn_s_per_ctx_token']*1e9:.1f} ns/ctx token, "
+                   f"prefill {f['prefill_tokens_per_s']:.0f} tok/s")  # fmt: skip
+        write_result("gpu_cost_model", result, summary, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
         llama = random_checkpoint(SHAPES["llama-3.2-1b"], Path(tmp) / "llama", torch.bfloat16, "cuda")
         result["llama_3_2_1b"] = bench_llama(llama, args.quick)

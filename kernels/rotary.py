@@ -5,7 +5,8 @@ split at ``head_dim / 2``, ``out = x * cos + [-x2, x1] * sin``. ``cos``/``sin`` 
 per-token rows of the model's tables, already gathered for this step's positions and cast
 to the model dtype (as Hugging Face casts them). Both implementations round each product
 and the sum to the model dtype, exactly like the eager expression, so they agree bit for
-bit.
+bit. (On the GPU that needs fp fusion off: with it, ``a * c + b * s`` compiles to one fused
+multiply-add, whose single rounding differs from the eager product-then-sum in fp32.)
 """
 
 from __future__ import annotations
@@ -97,5 +98,5 @@ def rotary_triton_(
         q, k, cos2, sin2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0),
         num_heads, k.shape[1],
         HEADS_PAD=triton.next_power_of_2(max(num_heads, k.shape[1])),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), enable_fp_fusion=False,
     )  # fmt: skip

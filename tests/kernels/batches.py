@@ -6,8 +6,12 @@ import torch
 
 from kvroute.kernels.attention_metadata import AttentionMetadata
 
+# Where the kernel tests put their tensors: the GPU when there is one (Triton compiles the
+# kernels), else the CPU (tests/kernels/conftest.py turns Triton's interpreter on).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def build_batch(ctx_lens, q_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, device="cpu", spare_blocks=3):
+
+def build_batch(ctx_lens, q_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE, spare_blocks=3):
     """Random K/V for every position; each sequence's cached context is pre-stored in
     shuffled blocks. Returns ``(key_cache, value_cache, meta, full_k, full_v, new_k, new_v)``
     where ``full_*[s]`` is ``[ctx + q_len, KVH, D]`` and ``new_*`` the step's K/V rows."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvroute.kernels.kv_store import SLOT_ONLY, plan_kv_store, store_kv_reference, store_kv_triton
-from tests.kernels.batches import build_batch
+from tests.kernels.batches import DEVICE, build_batch
 
 
 def _plan_lists(plan):
@@ -69,10 +69,10 @@ def test_triton_store_pages_only_and_slots_only_agree():
 
 @pytest.mark.usefixtures("triton_available")
 def test_negative_slots_write_nothing_in_both_implementations():
-    k = torch.arange(12, dtype=torch.float32).view(3, 2, 2) + 1
-    slots = torch.tensor([5, -1, 0])
+    k = torch.arange(12, dtype=torch.float32, device=DEVICE).view(3, 2, 2) + 1
+    slots = torch.tensor([5, -1, 0], device=DEVICE)
     for store in (store_kv_reference, store_kv_triton):
-        kc = torch.zeros(2, 4, 2, 2)
+        kc = torch.zeros(2, 4, 2, 2, device=DEVICE)
         vc = torch.zeros_like(kc)
         store(k, -k, kc, vc, slots)
         assert torch.equal(kc[1, 1], k[0]) and torch.equal(kc[0, 0], k[2]) and torch.equal(vc[0, 0], -k[2])

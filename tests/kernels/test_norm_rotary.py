@@ -14,6 +14,7 @@ import torch
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.replica.models.rope import RotaryEmbedding
+from tests.kernels.batches import DEVICE
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
@@ -22,8 +23,8 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 @pytest.mark.parametrize("shape,dtype", [((5, 96), torch.float32), ((7, 64), torch.bfloat16), ((3, 4, 16), torch.bfloat16)])
 def test_triton_rms_norm(shape, dtype):
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
-    w = torch.rand(shape[-1], generator=g).to(dtype)
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
+    w = torch.rand(shape[-1], generator=g).to(DEVICE, dtype)
     out = rms_norm_triton(x, w, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out, rms_norm_reference(x, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
@@ -33,9 +34,9 @@ def test_triton_rms_norm(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_fused_add_rms_norm(dtype):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 80, generator=g).to(dtype)  # 80: not a power of two
-    res = torch.randn(6, 80, generator=g).to(dtype)
-    w = torch.rand(80, generator=g).to(dtype)
+    x = torch.randn(6, 80, generator=g).to(DEVICE, dtype)  # 80: not a power of two
+    res = torch.randn(6, 80, generator=g).to(DEVICE, dtype)
+    w = torch.rand(80, generator=g).to(DEVICE, dtype)
     out, new_res = rms_norm_triton(x, w, 1e-5, res)
     want, want_res = fused_add_rms_norm_reference(x, res, w, 1e-5)
     assert torch.equal(new_res, want_res)
@@ -47,11 +48,11 @@ def test_triton_fused_add_rms_norm(dtype):
 def test_triton_rotary_matches_reference_bit_for_bit(dtype, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(head_dim, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})  # fmt: skip
-    positions = torch.tensor([0, 1, 5, 1000, 4095])
+                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}).to(DEVICE)  # fmt: skip
+    positions = torch.tensor([0, 1, 5, 1000, 4095], device=DEVICE)
     cos, sin = rope.tables(positions, dtype)
-    q = torch.randn(5, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(5, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(5, heads, head_dim, generator=g).to(DEVICE, dtype)
+    k = torch.randn(5, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     q2, k2 = q.clone(), k.clone()
     rotary_reference_(q, k, cos, sin)
     rotary_triton_(q2, k2, cos, sin)

@@ -16,7 +16,7 @@ import torch
 from kvroute.kernels.kv_store import store_kv_reference
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import rms_norm_reference
-from tests.kernels.batches import assert_attention_matches, build_batch, dense_attention
+from tests.kernels.batches import DEVICE, assert_attention_matches, build_batch, dense_attention
 
 
 CASES = [
@@ -37,7 +37,7 @@ def test_paged_attention_matches_dense(ctx_lens, q_lens, gqa, block_size, dtype,
     kvh, d = 2, 64
     kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, d, dtype)
     store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
-    q = torch.randn(sum(q_lens), kvh * gqa, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = torch.randn(sum(q_lens), kvh * gqa, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     scale = 1 / math.sqrt(d)
     out = paged_attention_reference(q, kc, vc, meta, scale, *( (new_k, new_v) if shortcut else () ))
     assert out.shape == q.shape and out.dtype == dtype
@@ -78,7 +78,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def _check_triton(ctx_lens, q_lens, gqa, block_size, dtype, head_dim=64, num_splits=1, block_n=None, kvh=2):
     kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, head_dim, dtype)
     store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
-    q = torch.randn(sum(q_lens), kvh * gqa, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = torch.randn(sum(q_lens), kvh * gqa, head_dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     scale = 1 / math.sqrt(head_dim)
     out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits, block_n=block_n)
     assert out.shape == q.shape and out.dtype == dtype
@@ -120,11 +120,12 @@ def test_triton_padding_rows_read_nothing_and_return_zeros(num_splits):
     """CUDA-graph padding: seq_len 0, one query token, a block table of garbage."""
     kc, vc, meta, full_k, full_v, new_k, new_v = build_batch([9, 30], [1, 1], 16, 2, 64, torch.float32)
     store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
-    q = torch.randn(4, 4, 64)
-    meta.query_start_loc = torch.arange(5, dtype=torch.int32)
+    q = torch.randn(4, 4, 64, device=DEVICE)
+    meta.query_start_loc = torch.arange(5, dtype=torch.int32, device=DEVICE)
     meta.query_start_loc_cpu = [0, 1, 2, 3, 4]
-    meta.seq_lens = torch.tensor([10, 31, 0, 0], dtype=torch.int32)
-    meta.block_tables = torch.cat([meta.block_tables, torch.full((2, meta.block_tables.shape[1]), 10**6, dtype=torch.int32)])
+    meta.seq_lens = torch.tensor([10, 31, 0, 0], dtype=torch.int32, device=DEVICE)
+    garbage = torch.full((2, meta.block_tables.shape[1]), 10**6, dtype=torch.int32, device=DEVICE)
+    meta.block_tables = torch.cat([meta.block_tables, garbage])
     out = paged_attention_triton(q, kc, vc, meta, 0.125, num_splits=num_splits)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     for s, c in enumerate([9, 30]):
