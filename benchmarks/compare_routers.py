@@ -1,9 +1,9 @@
 """Routers side by side on ONE set of engine replicas: the same workload, at the same
 request rates, through kvroute's router, round robin, power of two (Ray Serve's
-default) and Ray Serve LLM's real ``PrefixCacheAffinityRouter``; and, when the
-``sglang-router`` package is installed, SGLang's real router (``--policy
-cache_aware``) in front of single-engine servers (``kvroute serve-replica``) on the
-same engine settings.
+default) and Ray Serve LLM's real ``PrefixCacheAffinityRouter``; and, where the
+``sglang-router`` / ``vllm-router`` packages are installed, SGLang's and vLLM's real
+routers (``--policy cache_aware``) in front of single-engine servers (``kvroute
+serve-replica``) on the same engine settings.
 
 How one fleet serves every router: the engine deployment gets a pinned Serve
 ``version`` that ignores the router fields (``replica_version``), so redeploying the
@@ -44,7 +44,9 @@ from kvroute.benchmarks import serving
 from kvroute.benchmarks import workloads as wl
 
 SERVE_ROUTERS = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
-EXTERNAL_ROUTERS = ("sglang_router",)
+# External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
+# --host/--port/--policy/--worker-urls), started with --policy cache_aware.
+EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}
 SERVED_NAME = "kvroute-bench"
 _CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -52,9 +54,7 @@ _CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[
 def external_available(name: str) -> bool:
     import importlib.util
 
-    if name == "sglang_router":
-        return importlib.util.find_spec("sglang_router") is not None
-    return False
+    return name in EXTERNAL_ROUTERS and importlib.util.find_spec(name) is not None
 
 
 # ---------------------------------------------------------------------- Serve fleet
@@ -306,7 +306,7 @@ def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) ->
 def start_external(args: argparse.Namespace, engine_kwargs: dict[str, Any], router: str) -> tuple[str, list[subprocess.Popen]]:
     """Start ``--replicas`` single-engine servers and ``router`` in front of them; returns
     the router's base URL and the processes (stop them with :func:`stop_procs`)."""
-    assert router == "sglang_router", router
+    module = EXTERNAL_ROUTERS[router]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
     flags = ["--model", args.model, "--served-model-name", SERVED_NAME, "--block-size", str(engine_kwargs.get("block_size", 16))]
     for key in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed"):
@@ -323,7 +323,7 @@ def start_external(args: argparse.Namespace, engine_kwargs: dict[str, Any], rout
         for url in urls:
             _wait_http(url + "/health", procs, 300)
         port = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        procs.append(subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1",
                                        "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
         base = f"http://127.0.0.1:{port}"
         _wait_http(base + "/v1/models", procs, 120)
@@ -433,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ongoing-requests", type=int, default=64)
     p.add_argument("--engine-kwargs", default='{"block_size": 16}', help="EngineConfig fields as JSON (every router's engines)")
     p.add_argument("--routers", default=None,
-                   help=f"comma list of {SERVE_ROUTERS + EXTERNAL_ROUTERS} (default: the four Serve routers, plus "
-                        "sglang_router when the sglang-router package is installed)")
+                   help=f"comma list of {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)} (default: the four Serve routers, plus "
+                        "sglang_router / vllm_router where the sglang-router / vllm-router package is installed)")
     p.add_argument("--request-rates", default=None, help="comma list of request rates to sweep (default: --request-rate)")
     p.add_argument("--app-name", default="kvroute-bench")
     p.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
@@ -459,18 +459,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_kwargs.setdefault("hash_seed", secrets.randbits(63))  # one seed for every redeploy
     config = serving.LoadConfig(**{**config.__dict__, "block_size": int(engine_kwargs.get("block_size", 16))})
     if any(r in EXTERNAL_ROUTERS for r in routers) and config.prompt_format == "tokens":
-        # sglang-router takes text prompts only (its OpenAI schema has no token-id
+        # sglang-router and vllm-router take text prompts only (their OpenAI schema has no token-id
         # prompt): every router gets the same decoded text, so the runs stay comparable
         print("compare_routers: an external router is in the run: sending text prompts to every router", flush=True)
         config = serving.LoadConfig(**{**config.__dict__, "prompt_format": "text"})
     decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
 
-    unknown = [r for r in routers if r not in SERVE_ROUTERS + EXTERNAL_ROUTERS]
+    unknown = [r for r in routers if r not in SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)]
     if unknown:
-        raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + EXTERNAL_ROUTERS}")
+        raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)}")
     missing = [r for r in routers if r in EXTERNAL_ROUTERS and not external_available(r)]
     if missing:
-        raise ValueError(f"{missing} not installed (pip install sglang-router)")
+        raise ValueError(f"{missing} not installed (pip install {' '.join(r.replace('_', '-') for r in missing)})")
     rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
     label = args.label or workload.name
     out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label

@@ -9,18 +9,21 @@
 
 Two calibrations:
 
-``gpu_h100_llama3_8b`` (H100 SXM, Llama-3-8B-class, bf16), from public figures:
-  - prefill: Llama-3-8B costs ~2 x 8e9 = 16 GFLOP/token; an H100 SXM gives 989 dense
-    bf16 TFLOP/s (NVIDIA datasheet); at ~25% MFU end to end (vLLM/SGLang prefill
-    benchmarks report ~10-20k tokens/s for 8B on one H100) that is ~15,000 tokens/s.
-  - decode: each step reads the 16 GB of weights at 3.35 TB/s HBM3 (~4.8 ms) plus
-    launch/sampling overhead: overhead_s = 6 ms; per-sequence work (sampling, MLP
-    activations, scheduler) ~0.1 ms; KV read per context token = 32 layers x 8 KV heads
-    x 128 dims x 2 (K,V) x 2 bytes = 128 KiB -> 3.9e-8 s at 3.35 TB/s, ~5e-8 s at
-    ~80% bandwidth. Batch 32 at 2k context: 6 + 3.2 + 3.3 = 12.5 ms; batch 64: ~19 ms
-    (public vLLM H100 8B ITL figures are 10-25 ms at batch 32-64).
-  - KV capacity: 80 GB - 16 GB weights - activations ~ 55 GB / 128 KiB per token
-    ~ 430k tokens ~ 26,800 blocks of 16 tokens.
+``gpu_h100_llama3_8b`` (H100 80GB HBM3, Llama-3-8B shape, bf16): this repo's engine,
+measured with ``python -m kvroute.benchmarks.gpu_engine --cost-model`` on a lent H100 on
+2026-11-23 (random weights through the real loader; decode steps replayed from the
+engine's CUDA graphs, 2 warm-up + 10 timed steps, medians):
+  - decode steps over batch 1-128 x context 256-4,096 fitted by least squares:
+    overhead 7.46 ms (batch 1 at 256 context: 7.12 ms; the 16.06 GB of weights at the
+    3.0 TB/s the card's copy reaches take 5.3 ms), 14.9 us per sequence, 54.6 ns per
+    context token read (32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB per token);
+    worst point off the fit by 16%. Batch 64 at 2k context: 15.1 ms measured.
+  - prefill, one prompt of 256-4,096 tokens, less that overhead: 38,700 tokens/s
+    (2,048 tokens: 56.7 ms; 4,096: 115.7 ms).
+  - KV capacity: 90% of 80 GiB less the weights and 4 GiB of activations, at 128 KiB per
+    token: 428k tokens = 26,779 blocks of 16.
+  (The constants assumed before this measurement, from public figures: 6 ms, 100 us per
+  sequence, 50 ns per context token, 15,000 prefill tokens/s, 26,800 blocks.)
 
 ``cpu_measured`` (this repo's engine, SmolLM2-135M on the 2-core CI machine), from
 results/offline.json when present: prefill tokens/s = ``prefill.tokens_per_s``
@@ -68,12 +71,12 @@ class CostModel:
 def gpu_h100_llama3_8b() -> CostModel:
     return CostModel(
         name="gpu_h100_llama3_8b",
-        overhead_s=6e-3,
-        prefill_tokens_per_s=15_000.0,
-        decode_s_per_seq=1e-4,
-        attn_s_per_ctx_token=5e-8,
-        kv_blocks_per_replica=26_800,
-        source="public figures: H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s), Llama-3-8B config; see cost_model.py",
+        overhead_s=7.46e-3,
+        prefill_tokens_per_s=38_700.0,
+        decode_s_per_seq=1.49e-5,
+        attn_s_per_ctx_token=5.46e-8,
+        kv_blocks_per_replica=26_779,
+        source="measured: this engine on an H100 80GB HBM3, Llama-3-8B shape (gpu_engine --cost-model, 2026-11-23); see cost_model.py",
     )
 
 

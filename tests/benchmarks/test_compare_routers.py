@@ -54,6 +54,33 @@ def test_two_routers_on_one_fleet_write_a_table(ray_cluster, tiny_llama_path, tm
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
 
+def test_external_routers_front_single_engine_servers(tiny_llama_path, tmp_path, capsys):
+    """SGLang's and vLLM's real routers (cache_aware) in front of two `kvroute
+    serve-replica` processes each: every request answered, text prompts, a table row per
+    router. No Ray: only external routers in the run."""
+    pytest.importorskip("sglang_router", reason="pip install -e .[test] installs sglang-router")
+    pytest.importorskip("vllm_router", reason="pip install -e .[test] installs vllm-router")
+    out = tmp_path / "ext"
+    rc = compare_routers.main([
+        "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "sglang_router,vllm_router",
+        "--engine-kwargs", json.dumps({"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}),
+        "--out-dir", str(out), "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
+        "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "48", "--gsp-question-len", "8",
+        "--gsp-output-len", "4", "--request-rate", "20", "--max-concurrency", "1", "--disable-tqdm",
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "sending text prompts to every router" in printed
+    assert "compare_routers[generated-shared-prefix]: 2 runs, 0 errors" in printed
+    combined = json.loads((out / "combined.json").read_text())
+    assert [r["router"] for r in combined["rows"]] == ["sglang_router", "vllm_router"]
+    for row in combined["rows"]:
+        assert row["completed"] == 6 and row["failed"] == 0
+        # usage's cached tokens came through the router: one at a time, a group's later
+        # requests find at least part of its system prompt on whichever replica they reach
+        assert 0 < row["hit_rate"] <= row["best_hit_rate"]
+
+
 def test_router_service_reset_empties_the_directory_and_switches_policy():
     from kvroute.cluster.router_actor import RouterService
     from kvroute.replica.block_hash import BlockHash, HashSpec
