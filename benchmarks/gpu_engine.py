@@ -5,11 +5,10 @@
    (bytes of weights + KV read per step / measured device copy bandwidth);
 2. prefill tokens/s and model FLOP/s vs the measured bf16 matmul rate for a 2k prompt,
    with and without a 1.5k cached prefix;
-3. chunked prefill end to end with the page-aligned KV store vs the per-token path;
-4. offline throughput on the nano-vllm shape: 256 requests, input and output lengths
+3. offline throughput on the nano-vllm shape: 256 requests, input and output lengths
    uniform in [100, 1024], Qwen3-0.6B-shaped random weights, ignore_eos; plus
    transformers' generate on a subset, for scale;
-5. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
+4. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
    Llama-3-8B-shaped model (bf16): decode steps over a grid of batch sizes and context
    lengths and prefill steps of several sizes, fitted to
    ``overhead + batch * per_seq + context_tokens * per_ctx_token`` and
@@ -156,7 +155,6 @@ def prefill_flops(weights: int, arch: Any, ctx: int, new: int) -> int:
 
 
 def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
-    from kvroute.kernels import ops
     from kvroute.replica.model_runner import ModelRunner
     from kvroute.replica.models.arch import ModelArch
     from kvroute.replica.weights import load_hf_config
@@ -193,25 +191,6 @@ def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
         out["prefill"].append(dict(cached=ctx_cached, computed=new, step_ms=t * 1e3, prompt_tokens_per_s=(ctx_cached + new) / t,
                                    computed_tokens_per_s=new / t, model_tflops=flops / t / 1e12, fraction_of_matmul=flops / t / peak))  # fmt: skip
         print(f"prefill 2k prompt, {ctx_cached} cached: {t*1e3:.1f} ms, {new/t:.0f} computed tok/s, {flops/t/1e12:.1f} TFLOP/s ({flops/t/peak:.0%} of matmul)")
-    # Chunked prefill of an 8k prompt in page-aligned 2048-token chunks: the KV store's
-    # page path vs the per-token path, end to end.
-    chunks = [_rows(1, c, 2048, bs) for c in range(0, 8192, 2048)]
-    res = {}
-    for pages in (True, False):
-        with ops.kv_store_pages(pages):
-            for s in chunks:
-                runner.execute(s)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(3 if quick else 10):
-                t = time.perf_counter()
-                for s in chunks:
-                    runner.execute(s)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            res["pages" if pages else "per_token"] = statistics.median(times) * 1e3
-    out["chunked_prefill_8k_ms"] = res
-    print(f"chunked prefill 8k: page store {res['pages']:.1f} ms, per-token store {res['per_token']:.1f} ms")
     return out
 
 

@@ -7,8 +7,6 @@ from functools import cached_property
 
 import torch
 
-from kvroute.kernels.kv_store import KVStorePlan
-
 
 @dataclass
 class AttentionMetadata:
@@ -19,8 +17,7 @@ class AttentionMetadata:
     every earlier position, all of which are in the paged cache once the step's K/V are
     stored. ``slot_mapping[t] = block_id * block_size + offset`` says where token *t*'s
     K/V go; a negative slot (padding) writes nothing. The ``*_cpu`` lists mirror the
-    tensors for host-side loops. ``kv_store_plan`` is filled in lazily by
-    ``ops.store_kv`` on its first call of a step and reused by every layer.
+    tensors for host-side loops.
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
@@ -31,7 +28,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
-    kv_store_plan: KVStorePlan | None = None
 
     @property
     def num_seqs(self) -> int:

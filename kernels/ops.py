@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from kvroute.kernels.attention_metadata import AttentionMetadata
-from kvroute.kernels.kv_store import SLOT_ONLY, KVStorePlan, plan_kv_store, store_kv_reference, store_kv_triton
+from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
@@ -29,23 +29,8 @@ if _backend not in _BACKENDS:
     raise ValueError(f"KVROUTE_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
 
 
-_page_store = True  # the KV store's whole-page path; off = every token by slot (for benchmarks)
-
-
 def backend() -> str:
     return _backend
-
-
-@contextmanager
-def kv_store_pages(enabled: bool) -> Iterator[None]:
-    """Turn the KV store's whole-page path off (or on) inside the block, so benchmarks
-    can compare it with the per-token path alone."""
-    global _page_store
-    old, _page_store = _page_store, enabled
-    try:
-        yield
-    finally:
-        _page_store = old
 
 
 @contextmanager
@@ -102,24 +87,11 @@ def store_kv(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
-    """Write this step's K/V into the cache (whole pages where possible on Triton)."""
-    if not uses_triton(key.device):
+    """Write this step's K/V into the cache, each token to its slot (negative = padding)."""
+    if uses_triton(key.device):
+        store_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
+    else:
         store_kv_reference(key, value, key_cache, value_cache, meta.slot_mapping)
-        return
-    store_kv_triton(
-        key, value, key_cache, value_cache, meta.slot_mapping, _store_plan(meta, key_cache.shape[1], key.device),
-        meta.query_start_loc, meta.seq_lens, meta.block_tables,
-    )  # fmt: skip
-
-
-def _store_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> KVStorePlan:
-    """Built once per step from the host lists and shared by every layer. A decode-only
-    step (every CUDA-graph step) needs no plan, so nothing is built during capture."""
-    if meta.max_query_len <= 1 or not _page_store:
-        return SLOT_ONLY
-    if meta.kv_store_plan is None:
-        meta.kv_store_plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, block_size, device)
-    return meta.kv_store_plan
 
 
 def paged_attention(

@@ -49,12 +49,8 @@ def main() -> None:
                 dict(NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128))  # fmt: skip
     cache = dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16")
     compile_one(kv_store._store_slots_kernel,
-                dict(cache, slot_mapping_ptr="*i64", rows_ptr="*i32", stride_kt=I32, stride_vt=I32),
-                dict(ROW=512, BLOCK=512, HAS_ROWS=True))  # fmt: skip
-    compile_one(kv_store._store_pages_kernel,
-                dict(cache, page_seqs_ptr="*i32", page_indices_ptr="*i32", query_start_loc_ptr="*i32",
-                     seq_lens_ptr="*i32", block_tables_ptr="*i32", stride_kt=I32, stride_vt=I32, stride_bt=I32),
-                dict(ROW=512, PAGE=16, BLOCK=4096))  # fmt: skip
+                dict(cache, slot_mapping_ptr="*i64", stride_kt=I32, stride_vt=I32),
+                dict(ROW=512, BLOCK=512))  # fmt: skip
     compile_one(rms_norm._rms_norm_kernel,
                 dict(out_ptr="*bf16", res_out_ptr="*bf16", x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16",
                      num_rows=I32, eps="fp32"),

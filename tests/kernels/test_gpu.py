@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvroute.kernels import ops
-from kvroute.kernels.kv_store import plan_kv_store, store_kv_reference, store_kv_triton
+from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
 from kvroute.kernels.paged_attention import paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
@@ -36,8 +36,7 @@ REAL = (
 def _attention_case(ctx_lens, q_lens, shape, block_size, dtype, num_splits=1):
     h, kvh, d = shape
     kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, d, dtype, device="cuda")
-    plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, block_size, kc.device)
-    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping, plan, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping)
     q = torch.randn(sum(q_lens), h, d, device="cuda").to(dtype)
     scale = 1 / math.sqrt(d)
     out = paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits)
@@ -62,9 +61,7 @@ def test_kv_store_real_sizes_exact():
     kc, vc, meta, _, _, new_k, new_v = build_batch(REAL[0], REAL[1], 16, 8, 128, torch.bfloat16, device="cuda")
     want_k, want_v = kc.clone(), vc.clone()
     store_kv_reference(new_k, new_v, want_k, want_v, meta.slot_mapping)
-    plan = plan_kv_store(meta.query_start_loc_cpu, meta.context_lens_cpu, 16, kc.device)
-    assert plan.num_pages > 0 and plan.num_tail > 0
-    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping, plan, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    store_kv_triton(new_k, new_v, kc, vc, meta.slot_mapping)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 

@@ -1,8 +1,7 @@
 """The whole engine on the Triton kernels (interpreted on CPU) against the torch
 references: identical greedy tokens for tiny Llama and Qwen3 models (fp32), through
-chunked page-aligned prefill (page path of the KV store), prefix-cache hits (a prompt
-whose whole prefix is cached) and padded decode batches (the CUDA-graph input path,
-run eagerly here)."""
+chunked page-aligned prefill, prefix-cache hits (a prompt whose whole prefix is cached)
+and padded decode batches (the CUDA-graph input path, run eagerly here)."""
 
 from __future__ import annotations
 
