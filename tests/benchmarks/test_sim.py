@@ -156,7 +156,10 @@ def test_multi_turn_history_is_a_prefix():
 def test_decode_aware_kvroute_spreads_a_hot_prefix():
     """One very hot prefix (Zipf s=3: 136 of 160 requests): without the batch rule its
     owner's decode batch takes everything; with it the prefix replicates, one replica
-    at a time, and the run finishes far sooner at the same TTFT."""
+    at a time, and the run finishes sooner (1.25x the output throughput with the H100
+    constants measured for the cost model, whose decode cost per sequence is small next
+    to the step's weight read); the TTFT tail pays at most the replicated prefix's
+    prefill on a new replica."""
     cfg = SimConfig(num_replicas=4, kv_blocks=2048, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)
     wl = W.zipf_groups(num_groups=4, num_requests=160, system_prompt_len=512, question_len=16, output_len=128, s=3.0)
     wl = W.with_poisson_arrivals(wl, rate=300.0)
@@ -177,6 +180,7 @@ def test_decode_aware_kvroute_spreads_a_hot_prefix():
     assert sorted(per) == ["r0", "r1", "r2", "r3"] and sum(per.values()) == 136
     # three spills reach the three other replicas; each then serves as an owner
     assert m["reasons"] == {"cold": 3, "hot_prefix_replica": 3, "prefix": 154}
-    assert m["output_tokens_per_s"] > 1.5 * unbounded["output_tokens_per_s"]
-    assert m["ttft_p99_s"] <= unbounded["ttft_p99_s"]
+    assert m["output_tokens_per_s"] > 1.2 * unbounded["output_tokens_per_s"]
+    cost = gpu_h100_llama3_8b()
+    assert m["ttft_p99_s"] <= unbounded["ttft_p99_s"] + 512 / cost.prefill_tokens_per_s
     assert m["leaked_blocks"] == 0 and m["completed"] == 160
