@@ -193,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="explicit request rates (req/s), comma list; overrides --fractions")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of groups / requests / conversations")
     p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (and the KV capacity)")
-    p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (H100, Llama-3-8B) or cpu (measured)")
+    p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (this engine measured on an H100, Llama-3-8B shape) or cpu (measured)")
     p.add_argument("--kv-blocks", type=int, default=0, help="per-replica KV blocks (default: from hardware / workload)")
     p.add_argument("--kv-fraction", type=float, default=0.0, help="size KV so shared prefixes fill this fraction of the fleet (b2b: 0.73)")
     p.add_argument("--block-size", type=int, default=16)
