@@ -141,10 +141,19 @@ def bf16_matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / best
 
 
+def kv_bytes_per_token(arch: Any, elem: int) -> int:
+    """K and V of one token over every layer."""
+    return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
+
+
+def weight_bytes_of(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, tied ones counted once."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def decode_bytes(weight_bytes: int, arch: Any, batch: int, ctx: int, elem: int) -> int:
     """Bytes one decode step must read: every weight once, plus each sequence's K and V."""
-    kv = batch * ctx * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
-    return weight_bytes + kv
+    return weight_bytes + batch * ctx * kv_bytes_per_token(arch, elem)
 
 
 def prefill_flops(weights: int, arch: Any, ctx: int, new: int) -> int:
@@ -165,8 +174,7 @@ def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
     batches = [1, 16] if quick else [1, 16, 64, 256]
     num_blocks = max(batches) * -(-(ctx + 1) // bs) + 8192 // bs + 16
     runner = ModelRunner(arch, folder, num_blocks, bs, torch.device("cuda"), torch.bfloat16, 8192, default_graph_sizes(256))
-    params = list({id(p): p for p in runner.model.parameters()}.values())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    weight_bytes = weight_bytes_of(runner.model)
     body = sum(p.numel() for n, p in runner.model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     bw = copy_bandwidth()
     peak = bf16_matmul_flops()
@@ -218,7 +226,7 @@ def bench_cost_model(folder: Path, quick: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     runner = ModelRunner(arch, folder, num_blocks, bs, torch.device("cuda"), torch.bfloat16, 8192, default_graph_sizes(max(batches)))
     load_s = time.perf_counter() - t0
-    kv_bytes_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
+    kv_per_token = kv_bytes_per_token(arch, 2)
     iters = 5 if quick else 10
     decode, prefill = [], []
     for b, c in grid:
@@ -236,16 +244,16 @@ def bench_cost_model(folder: Path, quick: bool) -> dict[str, Any]:
     rate = sum(d["tokens"] for d in prefill) / sum(max(d["step_ms"] / 1e3 - overhead, 1e-9) for d in prefill)
     props = torch.cuda.get_device_properties(0)
     free_after = torch.cuda.mem_get_info()[0]
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in runner.model.parameters()}.values())
+    weight_bytes = weight_bytes_of(runner.model)
     # KV the card would hold with this model: 90% of its memory less the weights and 4 GiB
     # of activations / graphs (what the engine's kv_cache_memory_gb default leaves).
-    kv_tokens = int((0.9 * props.total_memory - weight_bytes - 4 * 2**30) / kv_bytes_per_token)
+    kv_tokens = int((0.9 * props.total_memory - weight_bytes - 4 * 2**30) / kv_per_token)
     fit = dict(overhead_s=overhead, decode_s_per_seq=per_seq, attn_s_per_ctx_token=per_ctx, prefill_tokens_per_s=rate,
-               kv_blocks_per_replica=kv_tokens // 16)  # fmt: skip
+               kv_blocks_per_replica=kv_tokens // bs)  # fmt: skip
     worst = max(abs(overhead + per_seq * d["batch"] + per_ctx * d["batch"] * d["context"] - d["step_ms"] / 1e3) / (d["step_ms"] / 1e3) for d in decode)
     print(f"8b fit: overhead {overhead*1e3:.2f} ms, per seq {per_seq*1e6:.1f} us, per ctx token {per_ctx*1e9:.2f} ns, "
           f"prefill {rate:.0f} tok/s, KV {kv_tokens} tokens; decode fit worst error {worst:.0%}")  # fmt: skip
-    return dict(device=props.name, load_s=load_s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+    return dict(device=props.name, load_s=load_s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
                 free_bytes_after=free_after, decode=decode, prefill=prefill, fit=fit, decode_fit_worst_rel_error=worst)  # fmt: skip
 
 
