@@ -12,11 +12,13 @@ that cannot be served ends with ``ReplicaUnavailableError``, overload with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from ray import serve
+from ray.serve import context as serve_context
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -26,6 +28,25 @@ from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
 
+
+@contextlib.contextmanager
+def _own_serve_request() -> Iterator[None]:
+    """Make the handle calls inside this block a Serve request of their own.
+
+    Inside a Serve replica (the HTTP ingress) every handle call inherits the incoming
+    request's ``internal_request_id``, and Serve's request router files pending requests
+    under that id: two calls made for one HTTP request (``n > 1``, a prompt list) would
+    share it, the second would never be assigned, and its routing task would spin and
+    hold one of the few routing slots everyone shares. A fresh id per call keeps them
+    apart; the caller's other context (request id, route, app) is kept.
+    """
+    current = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    token = serve_context._serve_request_context.set(fresh)
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 class _StreamCut(Exception):
@@ -93,7 +114,8 @@ class KVRouteClient:
                 resume_output=list(streamed),
                 prompt=prompt,
             )
-            response = self._stream_handle.generate.remote(request)
+            with _own_serve_request():
+                response = self._stream_handle.generate.remote(request)
             finished = False
             try:
                 first = True
@@ -148,7 +170,8 @@ class KVRouteClient:
 
     async def debug_state(self, replica_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """One replica's exact cache and block state (needs the kvroute request router)."""
-        response = self._handle.debug_state.remote(ReplicaCall(replica_id))
+        with _own_serve_request():
+            response = self._handle.debug_state.remote(ReplicaCall(replica_id))
         try:
             return await asyncio.wait_for(response, timeout_s)
         except asyncio.TimeoutError:

@@ -67,11 +67,11 @@ def build_api(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/health")
     async def health() -> Response:
@@ -122,19 +122,49 @@ def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
     errors = exc.errors()
     if not errors:
         return error_body(400, "invalid request")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    if errors[0].get("type") == "json_invalid":
+        first = errors[0]
         return error_body(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
+    # A field typed as a union (prompt: text, texts, ids or lists of ids) fails once per
+    # member; the member that was meant is the one whose check ran past the type test.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    param = _param_of(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
-        message = f"{param} is required"
+        message = f"{param} is required" if param else "the request body is empty; send a JSON object"
+    elif param is None and first.get("type") == "model_attributes_type":
+        message = "the request body must be a JSON object, sent as Content-Type: application/json"
     else:
         message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    others = sorted({_field_of(e) for e in errors} - {_field_of(first)})
+    if others:
+        message += f" (also invalid: {', '.join(others)})"
     return error_body(400, message, param=param)
+
+
+def _param_of(loc: Any) -> Optional[str]:
+    """``("body", "prompt", "list[function-after[...]]", 1)`` -> ``"prompt[1]"``: the
+    field path, without the body root and pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "body" and not out:
+            continue
+        elif "[" in part or part in _TYPE_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-wrap"}
+
+
+def _field_of(error: dict[str, Any]) -> str:
+    """The top-level field an error is about."""
+    param = _param_of(error.get("loc", ())) or "body"
+    return param.split("[")[0].split(".")[0]
 
 
 class _Guard:

@@ -7,9 +7,9 @@ does. Range checks live here so a bad field is a 400 naming the field, never a 5
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -18,6 +18,24 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API (vLLM
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 TokenIds = list[StrictInt]
+
+
+def _unicode(v: str) -> str:
+    """JSON may spell an unpaired UTF-16 surrogate (``"\\ud800"``); Python keeps it in a
+    str, but no tokenizer or UTF-8 encoder takes it."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains an unpaired UTF-16 surrogate (U+{ord(v[exc.start]):04X} at character {exc.start}); "
+            "text must be valid Unicode"
+        ) from None
+    return v
+
+
+# Every text field of a request: what reaches the tokenizer, the detokenizer's stop
+# matching, the block hash (cache_salt) or a response.
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -29,14 +47,14 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: Optional[Text] = None
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     n: StrictInt = Field(default=1, ge=1)
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[Text, list[Text]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -46,8 +64,8 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    user: Optional[Text] = None
+    cache_salt: Optional[Text] = Field(default=None, min_length=1, max_length=256)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
 
@@ -107,10 +125,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    prompt: Union[Text, list[Text], TokenIds, list[TokenIds]]
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
-    suffix: Optional[str] = None
+    suffix: Optional[Text] = None
     best_of: Optional[StrictInt] = None
 
     @field_validator("prompt")
@@ -141,15 +159,15 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
+    content: Optional[Union[Text, list[ContentPart]]] = None
+    name: Optional[Text] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -181,8 +199,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
-    prompt: Optional[str] = None
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
@@ -191,5 +209,5 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: Optional[Text] = None
     tokens: list[StrictInt]

@@ -131,20 +131,22 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = self._chat_ids(template_messages(req.messages), req.add_generation_prompt, False, "messages")
+            ids = await asyncio.to_thread(
+                self._chat_ids, template_messages(req.messages), req.add_generation_prompt, False, "messages"
+            )
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
-    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         self._check_ids(req.tokens, "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
@@ -158,20 +160,17 @@ class OpenAIServing:
             raise bad_request(
                 f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed", param="prompt"
             )
-        token_lists: list[list[int]] = []
-        for i, p in enumerate(prompts):  # each a string or token ids (pydantic checked)
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            self._check_ids(ids, param)
-            token_lists.append(ids)
+        # Tokenizing a prompt near the body limit takes seconds: off the event loop.
+        token_lists, echo_texts = await asyncio.to_thread(self._prompt_ids, prompts, req.echo)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs)
         kind = "text_completion"
         rid = f"cmpl-{uuid.uuid4().hex}"
-        echo_texts = [self.tokenizer.decode(ids) if req.echo else "" for ids in token_lists]
         stream = self._run(rid, token_lists, params, req.n, req.cache_salt)
         if req.stream:
-            return await self._event_stream(stream, lambda s: self._completion_chunks(rid, s, echo_texts, req.include_usage, kind))
+            return await self._event_stream(
+                stream, len(params) * len(token_lists), lambda s: self._completion_chunks(rid, s, echo_texts, req.include_usage, kind)
+            )
         choices = await self._collect(stream)
         return {
             "id": rid,
@@ -190,6 +189,16 @@ class OpenAIServing:
             ],
             "usage": self._usage(choices),
         }
+
+    def _prompt_ids(self, prompts: list[Union[str, list[int]]], echo: bool) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt (text or ids, checked by pydantic), and the text echo
+        returns in front of each choice."""
+        token_lists: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self._check_ids(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            token_lists.append(ids)
+        return token_lists, [self.tokenizer.decode(ids) if echo else "" for ids in token_lists]
 
     async def _completion_chunks(
         self, rid: str, stream: AsyncIterator[tuple[_Choice, TokenDelta]], echo: list[str], include_usage: bool, kind: str
@@ -238,7 +247,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
-        ids = self._chat_ids(template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages")
+        ids = await asyncio.to_thread(
+            self._chat_ids, template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages"
+        )
         self._check_ids(ids, "messages")
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, self.max_model_len - len(ids))
@@ -251,7 +262,7 @@ class OpenAIServing:
         stream = self._run(rid, [ids], params, req.n, req.cache_salt)
         if req.stream:
             return await self._event_stream(
-                stream, lambda s: self._chat_chunks(rid, s, req.n, req.include_usage, num_logprobs is not None)
+                stream, req.n, lambda s: self._chat_chunks(rid, s, req.n, req.include_usage, num_logprobs is not None)
             )
         choices = await self._collect(stream)
         return {
@@ -429,19 +440,25 @@ class OpenAIServing:
     async def _event_stream(
         self,
         stream: AsyncIterator[tuple[_Choice, TokenDelta]],
+        num_choices: int,
         make_chunks: Callable[[AsyncIterator[tuple[_Choice, TokenDelta]]], AsyncIterator[dict[str, Any]]],
     ) -> AsyncIterator[bytes]:
-        """SSE bytes for ``stream``. The first delta is awaited before returning, so a
-        request the backend refuses (bad input, overload) still gets its HTTP status
-        instead of a 200 stream; a failure after that becomes an error event. However the
-        response ends (finished, failed, client gone), ``stream`` is closed, which
-        aborts every choice still running."""
+        """SSE bytes for ``stream``. Every choice's first delta is awaited before
+        returning, so a request the backend refuses, wholly or for one of its choices
+        (bad input, overload), still gets its HTTP status instead of a 200 stream; a
+        failure after that becomes an error event. However the response ends (finished,
+        failed, client gone), ``stream`` is closed, which aborts every choice still
+        running."""
         deadline = None if self.limits.request_timeout_s is None else time.monotonic() + self.limits.request_timeout_s
+        head: list[tuple[_Choice, TokenDelta]] = []
+        started: set[int] = set()
         try:
             async with _timeout(self.limits.request_timeout_s):
-                first = await stream.__anext__()
+                while len(started) < num_choices:
+                    head.append(await stream.__anext__())
+                    started.add(head[-1][0].index)
         except StopAsyncIteration:
-            first = None
+            pass
         except ValueError as exc:
             await stream.aclose()
             raise bad_request(str(exc)) from None
@@ -450,8 +467,9 @@ class OpenAIServing:
             raise
 
         async def replay() -> AsyncIterator[tuple[_Choice, TokenDelta]]:
-            if first is not None:
-                yield first
+            for item in head:
+                yield item
+            if len(started) == num_choices:
                 async for item in stream:
                     yield item
 

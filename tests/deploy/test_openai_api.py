@@ -19,6 +19,7 @@ from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
 from kvroute.deploy.serving import ServerLimits  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
+from tests.deploy import hostile  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
 
 MODEL = "tiny"
@@ -436,3 +437,38 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
     assert finished.get("length", 0) == finished_before.get("length", 0)
     stats = engine.engine.stats()
     assert stats.num_free_blocks == stats.num_kv_blocks  # every block back in the free pool (cached ones included)
+
+
+HOSTILE = hostile.table(vocab_size=49152, max_body_bytes=ServerLimits().max_body_bytes)
+
+
+@pytest.mark.parametrize("row", HOSTILE, ids=[r.name for r in HOSTILE])
+def test_hostile_bodies_get_their_status_in_the_envelope(http, row):
+    headers = {} if row.content_type is None else {"content-type": row.content_type}
+    resp = http.post(row.route, content=row.body, headers=headers)
+    assert resp.status_code in row.statuses, resp.text
+    if resp.status_code >= 400:
+        err = hostile.check_envelope(resp.status_code, resp.content)
+        if row.param is not None:
+            assert row.param in (err["param"] or "") or row.param in err["message"], err
+
+
+def test_a_long_tokenization_does_not_block_the_loop(server, http):
+    """A prompt near the body limit takes seconds to tokenize; meanwhile the server
+    still answers (tokenization runs off the event loop)."""
+    url, _ = server
+    big = {"prompt": "lorem ipsum dolor sit amet " * 150_000, "max_tokens": 1}  # ~4 MB, far past the context
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            slow = asyncio.ensure_future(c.post("/v1/completions", json=big))
+            await asyncio.sleep(0.3)  # the body is in; tokenization has begun
+            started = asyncio.get_running_loop().time()
+            health = await c.get("/v1/models")
+            waited = asyncio.get_running_loop().time() - started
+            return await slow, health, waited
+
+    slow, health, waited = asyncio.run(run())
+    assert slow.status_code == 400 and slow.json()["error"]["code"] == "context_length_exceeded"
+    assert health.status_code == 200
+    assert waited < 1.0, waited

@@ -4,6 +4,7 @@ requests through Serve's HTTP proxy on loopback with the official ``openai`` cli
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -169,25 +170,40 @@ def test_client_disconnect_frees_blocks_on_the_replica(app):
 def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_llama_path):
     name = "kvhttp-small"
     args = _args(tiny_llama_path, name, num_replicas=1, max_ongoing_requests=1, max_queued_requests=1)
-    args["ingress"] = {"api_key": "k3y"}
+    args["ingress"] = {"api_key": "k3y", "request_timeout_s": 60}
     serve.run(build_app(args), name=name, route_prefix="/small")
     try:
         url = ray_cluster + "/small"
         assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
         headers = {"Authorization": "Bearer k3y"}
         body = {"prompt": "Busy " * 10, "max_tokens": 60, "ignore_eos": True}
+        # The queue holds one request; multi-request bodies (n > 1, prompt lists,
+        # streamed or not) join the burst: each is served whole or refused at once.
+        bodies = [body] * 8 + [{**body, "n": 2}, {**body, "prompt": ["Busy", "Idle"], "stream": True}] * 2
+
+        async def timed(c, b):
+            started = time.monotonic()
+            resp = await c.post("/v1/completions", json=b)
+            return resp, time.monotonic() - started
 
         async def burst():
             async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as c:
-                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+                return await asyncio.gather(*(timed(c, b) for b in bodies))
 
         results = asyncio.run(burst())
-        codes = sorted(r.status_code for r in results)
+        codes = sorted(r.status_code for r, _ in results)
         assert set(codes) <= {200, 429} and codes.count(200) >= 1 and codes.count(429) >= 4, codes
-        rejected = next(r for r in results if r.status_code == 429)
+        assert max(s for _, s in results) < 60  # nobody waited past request_timeout_s
+        rejected = next(r for r, _ in results if r.status_code == 429)
         assert int(rejected.headers["Retry-After"]) >= 1
         assert rejected.json()["error"]["type"] == "rate_limit_error"
-        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results if r.status_code == 200)
+        for (r, _), b in zip(results, bodies):
+            if r.status_code == 200 and not b.get("stream"):
+                assert r.json()["usage"]["completion_tokens"] == 60 * b.get("n", 1)
+            elif r.status_code == 200:
+                assert r.text.count('"finish_reason":"length"') == 2 and "error" not in r.text
+        after = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers, timeout=60)
+        assert after.status_code == 200
     finally:
         serve.delete(name)
         kill_router_actor(f"kvroute-router:{name}")
@@ -211,3 +227,85 @@ def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path
     finally:
         serve.delete(name)
         kill_router_actor(f"kvroute-router:{name}")
+
+
+def _texts_by_index(resp_json) -> list[str]:
+    return [c["text"] for c in sorted(resp_json["choices"], key=lambda c: c["index"])]
+
+
+def _stream_texts(c, route: str, body: dict) -> list[str]:
+    texts: dict[int, str] = {}
+    with c.stream("POST", route, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for ch in event["choices"]:
+                piece = ch["text"] if "text" in ch else ch["delta"].get("content", "")
+                texts[ch["index"]] = texts.get(ch["index"], "") + (piece or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+def test_every_multi_request_body_is_served_through_serve(app):
+    """n > 1, prompt lists (text and token ids), streaming and chat n > 1: each choice and
+    each list entry is its own request to Serve, and each equals the lone request."""
+    url, router, parsed = app
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], **body}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        alone = {p: _texts_by_index(c.post("/v1/completions", json={**body, "prompt": p}).json())[0] for p in ("hello", "world")}
+        ids = [c.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in ("hello", "world")]
+        chat_alone = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+
+        started = time.monotonic()
+        r = c.post("/v1/completions", json={**body, "prompt": "hello", "n": 3})
+        assert r.status_code == 200, r.text
+        assert _texts_by_index(r.json()) == [alone["hello"]] * 3
+        r = c.post("/v1/completions", json={**body, "prompt": ["hello", "world"], "n": 2})
+        assert _texts_by_index(r.json()) == [alone["hello"]] * 2 + [alone["world"]] * 2
+        assert r.json()["usage"]["completion_tokens"] == 20
+        r = c.post("/v1/completions", json={**body, "prompt": ids})
+        assert _texts_by_index(r.json()) == [alone["hello"], alone["world"]]
+        assert _stream_texts(c, "/v1/completions", {**body, "prompt": ["hello", "world"], "n": 2}) == (
+            [alone["hello"]] * 2 + [alone["world"]] * 2
+        )
+        r = c.post("/v1/chat/completions", json={**chat, "n": 2})
+        assert [ch["message"]["content"] for ch in r.json()["choices"]] == [chat_alone] * 2
+        assert _stream_texts(c, "/v1/chat/completions", {**chat, "n": 2}) == [chat_alone] * 2
+        assert time.monotonic() - started < 45  # was: 300 s per request, then 503
+
+    def idle():
+        states = _states(router, parsed.cluster_config())
+        return all(s["blocks_in_use"] == 0 and s["num_running"] == 0 for s in states.values())
+
+    wait_until(idle, 20, "every replica idle with no block in use", interval_s=0.3)
+
+
+def test_multi_request_bodies_do_not_hold_up_other_clients(app):
+    """Five long n=2 / prompt-list requests in flight, then a short one-prompt request:
+    it is served at once, and the long ones all finish."""
+    url, _, _ = app
+    long = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            heavy = [
+                asyncio.ensure_future(c.post("/v1/completions", json={**long, "prompt": f"long {i}", "n": 2}))
+                for i in range(3)
+            ] + [
+                asyncio.ensure_future(c.post("/v1/completions", json={**long, "prompt": [f"a {i}", f"b {i}"], "stream": True}))
+                for i in range(2)
+            ]
+            await asyncio.sleep(1.0)
+            started = time.monotonic()
+            short = await c.post("/v1/completions", json={"prompt": "quick", "max_tokens": 2})
+            short_s = time.monotonic() - started
+            return short, short_s, await asyncio.gather(*heavy)
+
+    short, short_s, heavy = asyncio.run(run())
+    assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 2
+    assert short_s < 20, short_s  # was: 37 s and more
+    assert [r.status_code for r in heavy] == [200] * 5
+    assert all(r.json()["usage"]["completion_tokens"] == 120 for r in heavy[:3])
