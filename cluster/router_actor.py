@@ -21,6 +21,7 @@ import ray
 
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.replica.request_metrics import process_figures
 from kvroute.router.router import Router
 
 from kvroute.cluster.config import ClusterConfig
@@ -148,7 +149,12 @@ class RouterService:
         return [BlockHash(h) for h in self.router.directory.confirmed(replica_id)]
 
     def stats(self) -> dict[str, Any]:
-        return {**self.router.stats(), **self.counters, "uptime_s": self.clock() - self.started_at}
+        return {
+            **self.router.stats(),
+            **self.counters,
+            "uptime_s": self.clock() - self.started_at,
+            "process": process_figures(),
+        }
 
     # ------------------------------------------------------------------ metrics
     def report_metrics(self, replica_id: str, report: dict[str, Any]) -> bool:

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.cluster.messages import RouteTrace
+from kvroute.replica.request_metrics import process_figures
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -64,6 +65,7 @@ def render(
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
             yield from _router_families(model_name, router, accuracy, fallbacks)
+            yield _process_family(model_name, replicas, router)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
 
@@ -145,3 +147,20 @@ def _router_families(
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([model_name], float(value))
             yield c
+
+
+def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]]) -> Metric:
+    """Resident memory of every process of the service: each replica's, the router
+    actor's and this HTTP process's own, each labelled with its pid (what a soak run
+    watches for growth, and what a chaos test kills)."""
+    fam = GaugeMetricFamily(
+        "kvroute:process_resident_memory_bytes",
+        "Resident memory of each process of the service.",
+        labels=["model_name", "role", "replica", "pid"],
+    )
+    procs = [("replica", rid, rep.get("process")) for rid, rep in sorted(replicas.items())]
+    procs += [("router", "", (router or {}).get("process")), ("http", "", process_figures())]
+    for role, rid, proc in procs:
+        if proc:
+            fam.add_metric([model_name, role, rid, str(proc["pid"])], float(proc["rss_bytes"]))
+    return fam

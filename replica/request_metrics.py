@@ -8,6 +8,8 @@ Prometheus text at the HTTP edge under vLLM's metric names.
 from __future__ import annotations
 
 import bisect
+import os
+import resource
 from typing import Any
 
 # Bucket bounds in seconds, the ones vLLM exposes, so dashboards built for it apply.
@@ -69,4 +71,16 @@ class EngineMetrics:
             "finished": dict(self.finished),
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
+            "process": process_figures(),
         }
+
+
+def process_figures() -> dict[str, int]:
+    """This process's id and resident memory in bytes (current on Linux, where
+    /proc/self/statm has it; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"pid": os.getpid(), "rss_bytes": rss}

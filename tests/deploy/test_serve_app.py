@@ -102,6 +102,10 @@ def test_metrics_cover_every_replica_and_the_router(app):
     assert value["kvroute:routed_requests"] >= 4 and value["kvroute:router_fallbacks"] == 0
     assert value["kvroute:predicted_cached_tokens"] > 0
     assert value["kvroute:actual_cached_tokens"] == value["kvroute:predicted_cached_tokens"]
+    procs = fams["kvroute:process_resident_memory_bytes"].samples
+    assert {s.labels["role"] for s in procs} == {"replica", "router", "http"}
+    assert {s.labels["replica"] for s in procs if s.labels["role"] == "replica"} == replicas
+    assert len({s.labels["pid"] for s in procs}) == 4 and all(s.value > 10 * 2**20 for s in procs)
 
 
 def test_replica_side_errors_are_400_and_unknown_model_404(app):
