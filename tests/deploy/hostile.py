@@ -100,7 +100,7 @@ def table(vocab_size: int, max_body_bytes: int) -> list[Hostile]:
         Hostile("utf8-truncated", C, b'{"prompt": "\xe2\x82"}'),
         Hostile("utf16-bom", C, b'\xff\xfe{"prompt": "x"}'),
         Hostile("json-truncated", C, b'{"prompt": "x",'),
-        Hostile("json-deeply-nested", C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        Hostile("json-deeply-nested", C, b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"),
         Hostile("json-duplicate-keys", C, b'{"prompt": 5, "prompt": "x", "max_tokens": 2}', frozenset({200})),
         # nested prompt lists
         Hostile("prompt-3-deep", C, _c(prompt=[[["a"]]]), param="prompt"),
@@ -121,7 +121,7 @@ def table(vocab_size: int, max_body_bytes: int) -> list[Hostile]:
         # enormous stop lists
         Hostile("stop-10k", C, _c(stop=["a"] * 10_000), param="stop"),
         Hostile("stop-empty-string", C, _c(stop=[""]), param="stop"),
-        Hostile("stop-token-ids-10k", C, _c(stop_token_ids=list(range(10_000))), OK_OR_BAD),
+        Hostile("stop-token-ids-8k", C, _c(stop_token_ids=list(range(8_000))), OK_OR_BAD),
         # unknown fields are ignored, as OpenAI's server does
         Hostile("unknown-fields", C, _c(frobnicate={"a": [1, None]}, tools=[], logit_bias={"1": 5}), frozenset({200})),
         # wrong content types
@@ -134,6 +134,7 @@ def table(vocab_size: int, max_body_bytes: int) -> list[Hostile]:
     ]
     names = [r.name for r in rows]
     assert len(names) == len(set(names)), "duplicate row names"
+    assert all(len(r.body) < max_body_bytes for r in rows if 413 not in r.statuses), "rows must fit the body limit"
     return rows
 
 
