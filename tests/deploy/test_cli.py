@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.deploy.cli import main
+from tests.deploy.server import start_cli, stop_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "kvroute"
@@ -109,42 +110,13 @@ def test_installed_script_chats_with_the_embedded_model(smollm2_path, smollm2_to
     assert out["model_path"] == str(smollm2_path)
 
 
-def _start(args: list[str], ready: str, timeout_s: float = 240) -> tuple[subprocess.Popen, list[str]]:
-    """Start the installed script; return once it printed a line containing ``ready``."""
-    proc = subprocess.Popen(
-        [str(SCRIPT), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO.parent,
-        env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if ready in line:
-            return proc, lines
-    proc.kill()
-    raise AssertionError(f"{args[0]} never became ready:\n{''.join(lines)}")
-
-
-def _stop(proc: subprocess.Popen, lines: list[str]) -> str:
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    return "".join(lines) + out
-
-
 def test_serve_replica_command_serves_and_stops_on_ctrl_c(tiny_llama_path):
     import httpx
 
     from tests.conftest import free_port
 
     port = free_port()
-    proc, lines = _start(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port), *ENGINE_ARGS,
+    proc, lines = start_cli(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port), *ENGINE_ARGS,
                           "--served-model-name", "tiny"], "serving")
     try:
         url = f"http://127.0.0.1:{port}"
@@ -158,7 +130,7 @@ def test_serve_replica_command_serves_and_stops_on_ctrl_c(tiny_llama_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(url + "/get_model_info").json()["is_generation"] is True
     finally:
-        output = _stop(proc, lines)
+        output = stop_cli(proc, lines)
     assert proc.returncode == 0, output
 
 
@@ -168,7 +140,7 @@ def test_serve_command_runs_the_cluster_and_stops_on_ctrl_c(tiny_llama_path):
     from tests.conftest import free_port
 
     port = free_port()
-    proc, lines = _start(
+    proc, lines = start_cli(
         ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "1", *ENGINE_ARGS], "kvroute: ready"
     )
     try:
@@ -178,6 +150,6 @@ def test_serve_command_runs_the_cluster_and_stops_on_ctrl_c(tiny_llama_path):
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
-        output = _stop(proc, lines)
+        output = stop_cli(proc, lines)
     assert proc.returncode == 0, output
     assert "kvroute: stopping" in output

@@ -1,0 +1,120 @@
+"""Chaos through HTTP: ``kvroute serve`` loses a replica process and then the router
+actor's process to SIGKILL while 20 greedy streams run; every stream completes with the
+text of an undisturbed run (the client resumes a cut stream on another replica with
+the tokens it already sent, and routing falls back until the router is back)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("ray")
+
+from tests.conftest import free_port, wait_until  # noqa: E402
+from tests.deploy.server import start_cli, stop_cli  # noqa: E402
+
+STREAMS = 20
+MAX_TOKENS = 160
+ENGINE_ARGS = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "1024", "--max-model-len", "512"]
+
+
+def _pids(url: str) -> dict[str, list[int]]:
+    """Process ids by role, from the service's own /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, list[int]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "kvroute:process_resident_memory_bytes":
+            for s in fam.samples:
+                out.setdefault(s.labels["role"], []).append(int(s.labels["pid"]))
+    return out
+
+
+async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
+    body = {
+        "prompt": f"Chaos stream {i}: the archive keeps",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text = []
+    async with c.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                text.append(choice["text"])
+                progress[i] += 1
+    return "".join(text)
+
+
+async def _run_all(url: str, during=None) -> list[str]:
+    progress = [0] * STREAMS
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=STREAMS + 4)) as c:
+        tasks = [asyncio.ensure_future(_stream(c, i, progress)) for i in range(STREAMS)]
+        if during is not None:
+            await during(progress, tasks)
+        return await asyncio.gather(*tasks)
+
+
+def test_streams_survive_sigkill_of_a_replica_and_of_the_router(tiny_llama_path):
+    port = free_port()
+    proc, lines = start_cli(
+        ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", *ENGINE_ARGS],
+        "kvroute: ready",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        pids = wait_until(
+            lambda: (p := _pids(url)) and len(p.get("replica", [])) == 2 and p.get("router") and p,
+            60,
+            "both replicas and the router in /metrics",
+            interval_s=0.5,
+        )
+        undisturbed = asyncio.run(_run_all(url))
+        assert all(len(t) > 0 for t in undisturbed)
+        killed: dict[str, float] = {}
+
+        async def chaos(progress, tasks):
+            deadline = time.monotonic() + 120
+            while min(progress) < 5:  # every stream is mid-flight
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), progress
+                await asyncio.sleep(0.02)
+            os.kill(pids["replica"][0], signal.SIGKILL)
+            killed["replica"] = time.monotonic()
+            start = list(progress)
+            while sum(p - s for p, s in zip(progress, start)) < STREAMS * 10:  # the streams went on
+                assert time.monotonic() < deadline, progress
+                await asyncio.sleep(0.02)
+            assert not all(t.done() for t in tasks), "every stream ended before the router was killed"
+            os.kill(pids["router"][0], signal.SIGKILL)
+            killed["router"] = time.monotonic()
+
+        disturbed = asyncio.run(_run_all(url, chaos))
+        assert set(killed) == {"replica", "router"}
+        mismatched = [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]
+        assert not mismatched, f"streams {mismatched} differ from the undisturbed run"
+
+        # Serve replaces the replica and Ray restarts the router: the service recovers.
+        def recovered():
+            p = _pids(url)
+            replicas = p.get("replica", [])
+            return len(replicas) == 2 and pids["replica"][0] not in replicas and p.get("router", [None])[0] != pids["router"][0]
+
+        wait_until(recovered, 120, "a new replica and a restarted router in /metrics", interval_s=1.0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "after the storm", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        output = stop_cli(proc, lines)
+    assert proc.returncode == 0, output[-3000:]
