@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import serving
+from kvroute.cluster.config import ROUTER_CHOICES
 from kvroute.benchmarks import workloads as wl
 
-SERVE_ROUTERS = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
+SERVE_ROUTERS = ROUTER_CHOICES
 # External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
 # --host/--port/--policy/--worker-urls), started with --policy cache_aware.
 EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}

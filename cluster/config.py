@@ -17,6 +17,9 @@ from kvroute.replica.config import EngineConfig
 #   power_of_two       Ray Serve's default PowerOfTwoChoicesRequestRouter
 #   prefix_affinity_ray Ray Serve LLM's PrefixCacheAffinityRouter (needs ``prompt``)
 REQUEST_ROUTERS = ("kvroute", "power_of_two", "prefix_affinity_ray")
+# What a user picks with ``kvroute serve --router`` (and the serving benchmarks): the
+# request routers, plus ``round_robin``, our router actor running the round-robin policy.
+ROUTER_CHOICES = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
 
 
 @dataclass(frozen=True)

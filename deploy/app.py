@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 
 from kvroute.cluster.client import KVRouteClient
-from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.config import REQUEST_ROUTERS, ROUTER_CHOICES, ClusterConfig
 from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError, RouteTrace
 from kvroute.cluster.replica_deployment import build_engine_deployment
 from kvroute.deploy.errors import APIError
@@ -30,17 +30,14 @@ from kvroute.replica.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# request_router_class values: our short names, or the classes' import paths.
+# request_router_class values: our short names (REQUEST_ROUTERS), or the classes' import paths.
 _REQUEST_ROUTERS = {
-    "kvroute": "kvroute",
+    **{name: name for name in REQUEST_ROUTERS},
     "kvroute.cluster.request_router.KVRouteRequestRouter": "kvroute",
-    "power_of_two": "power_of_two",
     "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter": "power_of_two",
     "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter": "power_of_two",
-    "prefix_affinity_ray": "prefix_affinity_ray",
     "ray.serve.llm.request_router.PrefixCacheAffinityRouter": "prefix_affinity_ray",
 }
-ROUTER_CHOICES = ("kvroute", "round_robin", "power_of_two", "prefix_affinity_ray")
 
 
 class _Strict(BaseModel):
@@ -100,14 +97,14 @@ class LLMConfig(_Strict):
         return v
 
 
-class IngressSpec(_Strict):
+class IngressSpec(ServerLimits):
+    """The HTTP ingress deployment: its request limits (``ServerLimits``' fields) and
+    its own replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, gt=0)
-    api_key: Optional[str] = Field(default=None, min_length=1)
-    max_body_bytes: int = Field(default=4 * 2**20, ge=1024)
-    max_prompts: int = Field(default=64, ge=1)
-    max_n: int = Field(default=16, ge=1)
-    request_timeout_s: Optional[float] = Field(default=600.0, gt=0)
     max_ongoing_requests: int = Field(default=1024, ge=1)
 
 
@@ -144,8 +141,7 @@ class AppArgs(_Strict):
         return config if "hash_seed" in llm.engine_kwargs else config.with_random_hash_seed()
 
     def limits(self) -> ServerLimits:
-        i = self.ingress
-        return ServerLimits(i.max_body_bytes, i.max_prompts, i.max_n, i.request_timeout_s, i.api_key)
+        return ServerLimits(**self.ingress.model_dump(include=set(ServerLimits.model_fields)))
 
 
 def parse_args(args: Union[dict[str, Any], AppArgs]) -> AppArgs:

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Sequence
 
+from kvroute.cluster.config import ROUTER_CHOICES
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint folder")
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     _add_server_args(s, port=8000)
     s.add_argument("--replicas", type=int, default=2)
-    s.add_argument("--router", default="kvroute", choices=["kvroute", "round_robin", "power_of_two", "prefix_affinity_ray"])
+    s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
