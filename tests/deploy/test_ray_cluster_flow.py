@@ -1,0 +1,172 @@
+"""The README's Ray-cluster flow, as a new user runs it: ``ray start --head``, then (in a
+shell with ``RAY_AUTH_MODE=token``, which Ray 2.60's token authentication needs)
+``serve run deploy/serve.yaml`` answering a completion and ``ray job submit`` of a small
+benchmark; then that cluster is stopped through its own processes (``ray stop`` would
+take every Ray cluster on the machine with it, the test session's own included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("ray")
+
+from tests.conftest import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def _cluster_processes(markers: tuple[str, ...]) -> set[int]:
+    """Every process of one cluster: the ones whose command line names its session
+    folder or its GCS address (GCS, raylet, dashboard, monitors, client server) and all
+    their descendants (workers rename themselves ``ray::...``)."""
+    roots = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                if any(m.encode() in cmdline for m in markers):
+                    roots.add(int(entry.name))
+            except OSError:
+                continue
+    kids, found, todo = _children(), set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(kids.get(pid, ()))
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def _stop_cluster(*markers: str) -> None:
+    pids = _cluster_processes(markers)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _alive(pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while _alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids |= _cluster_processes(markers)  # anything started meanwhile
+    assert not _alive(pids), f"cluster processes left: {sorted(_alive(pids))}"
+
+
+def _node_ip() -> str:
+    import ray._private.services
+
+    return ray._private.services.get_node_ip_address()
+
+
+def _run(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _serve_config(model_path: Path, port: int) -> dict:
+    config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    config["http_options"].update(host="127.0.0.1", port=port)
+    app = config["applications"][0]
+    llm = app["args"]["llm_configs"][0]
+    llm["model_loading_config"] = {"model_id": "tiny", "model_source": str(model_path)}
+    llm["engine_kwargs"] = {"block_size": 8, "num_kv_blocks": 128, "max_model_len": 256, "dtype": "float32"}
+    return config
+
+
+def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
+    temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray puts sockets under it
+    ports = {name: free_port() for name in ("gcs", "dashboard", "http", "client", "agent", "agent_grpc", "metrics", "env_agent")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env |= {"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    start = _run(
+        [str(BIN / "ray"), "start", "--head", "--port", str(ports["gcs"]), "--dashboard-port", str(ports["dashboard"]),
+         "--include-dashboard", "true", "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
+         "--ray-client-server-port", str(ports["client"]), "--dashboard-agent-listen-port", str(ports["agent"]),
+         "--dashboard-agent-grpc-port", str(ports["agent_grpc"]), "--metrics-export-port", str(ports["metrics"]),
+         "--runtime-env-agent-port", str(ports["env_agent"])],
+        env, 120,
+    )
+    serve_proc = None
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        client_env = env | {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"127.0.0.1:{ports['gcs']}"}
+        config_path = tmp_path / "serve.yaml"
+        config_path.write_text(yaml.safe_dump(_serve_config(tiny_llama_path, ports["http"])))
+        serve_proc = subprocess.Popen(
+            [str(BIN / "serve"), "run", str(config_path)],
+            env=client_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(serve_proc.stdout), daemon=True).start()
+        url = f"http://127.0.0.1:{ports['http']}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert serve_proc.poll() is None, "serve run exited:\n" + "".join(output[-50:])
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the application never answered:\n" + "".join(output[-50:])
+            time.sleep(1.0)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+        result = tmp_path / "job.json"
+        job = _run(
+            [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{ports['dashboard']}", "--working-dir", ".",
+             "--", "python", "-m", "kvroute.benchmarks.serving", "--base-url", url, "--model", "tiny",
+             "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "64",
+             "--gsp-question-len", "8", "--gsp-output-len", "4", "--request-rate", "4", "--disable-tqdm",
+             "--result-file", str(result)],
+            client_env, 300,
+        )
+        assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, job.stdout[-3000:] + job.stderr[-3000:]
+        summary = json.loads(result.read_text())
+        assert summary["completed"] == 4 and summary.get("failed", 0) == 0, summary
+    finally:
+        if serve_proc is not None and serve_proc.poll() is None:
+            serve_proc.send_signal(signal.SIGINT)
+            try:
+                serve_proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                serve_proc.kill()
+        _stop_cluster(temp_dir, f"--address={_node_ip()}:{ports['gcs']}", f"127.0.0.1:{ports['gcs']}")
+        shutil.rmtree(temp_dir, ignore_errors=True)
