@@ -166,7 +166,7 @@ def prefill_flops(weights: int, arch: Any, ctx: int, new: int) -> int:
 def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
     from kvroute.replica.model_runner import ModelRunner
     from kvroute.replica.models.arch import ModelArch
-    from kvroute.replica.weights import load_hf_config
+    from kvroute.replica.checkpoint import load_hf_config
     from kvroute.replica.cuda_graphs import default_graph_sizes
 
     arch = ModelArch.from_hf_config(load_hf_config(folder))
@@ -213,7 +213,7 @@ def bench_cost_model(folder: Path, quick: bool) -> dict[str, Any]:
     from kvroute.replica.cuda_graphs import default_graph_sizes
     from kvroute.replica.model_runner import ModelRunner
     from kvroute.replica.models.arch import ModelArch
-    from kvroute.replica.weights import load_hf_config
+    from kvroute.replica.checkpoint import load_hf_config
 
     arch = ModelArch.from_hf_config(load_hf_config(folder))
     bs = 16

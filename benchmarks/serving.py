@@ -554,7 +554,7 @@ def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
 def decoder(tokenizer: Optional[str]) -> Optional[Callable[[Sequence[int]], str]]:
     if tokenizer is None:
         return None
-    from kvroute.replica.weights import load_tokenizer, resolve_model
+    from kvroute.replica.checkpoint import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(tokenizer))
     return lambda ids: tok.decode(list(ids))

@@ -213,7 +213,7 @@ class OpenAIIngress:
         from kvroute.deploy.metrics import RoutingAccuracy
         from kvroute.deploy.serving import OpenAIServing
         from kvroute.replica.models.arch import ModelArch
-        from kvroute.replica.weights import load_hf_config, load_tokenizer, resolve_model
+        from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
 
         parsed = parse_args(args)
         llm = parsed.llm_configs[0]

@@ -57,7 +57,7 @@ class Engine:
 
         from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
         from kvroute.replica.models.arch import ModelArch
-        from kvroute.replica.weights import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
+        from kvroute.replica.checkpoint import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
 
         self.config = config
         self.model_path = resolve_model(config.model)

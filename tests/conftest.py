@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted embedded SmolLM2-135M-Instruct folder (converted once per cache, ~15 s)."""
-    from kvroute.replica.weights import resolve_model
+    from kvroute.replica.checkpoint import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
@@ -72,7 +72,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path: Path) -> Any:
     """SmolLM2's fast tokenizer (vocab 49152; bos <|im_start|>=1, eos <|im_end|>=2)."""
-    from kvroute.replica.weights import load_tokenizer
+    from kvroute.replica.checkpoint import load_tokenizer
 
     return load_tokenizer(smollm2_path)
 

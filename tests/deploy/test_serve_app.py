@@ -126,7 +126,7 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
     from kvroute.deploy.app import ClusterBackend
     from kvroute.deploy.serving import OpenAIServing
     from kvroute.replica.config import EngineConfig
-    from kvroute.replica.weights import load_tokenizer
+    from kvroute.replica.checkpoint import load_tokenizer
     from tests.deploy.server import running
 
     config = ClusterConfig(engine=EngineConfig(model=str(tiny_llama_path)), app_name="kvhealth")

