@@ -1,7 +1,7 @@
 """kvroute: multi-replica LLM serving with a prefix-cache-aware router.
 
 The public facade is resolved lazily so that ``import kvroute.router`` never pulls in
-torch (DESIGN.md §1).
+torch (ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The block hash shared by the engine's prefix cache and the router's directory.
 
-Contract (DESIGN.md §3): only full blocks are hashed; block *i*'s hash is
+Contract (ARCHITECTURE.md §3.1): only full blocks are hashed; block *i*'s hash is
 ``xxh3_128(parent ‖ tokens, seed)`` where ``parent`` is the previous block's hash as 16
 little-endian bytes and ``tokens`` are the block's token ids as little-endian uint32.
 The first block's parent is a root hash that folds in the model id and the request's

@@ -24,7 +24,7 @@ class Request:
     """Token ids (prompt then output), progress, and memoized block hashes.
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (computed or hit).
-    ``block_hashes`` grows as blocks fill and is never recomputed (DESIGN.md §4).
+    ``block_hashes`` grows as blocks fill and is never recomputed (ARCHITECTURE.md §3.1).
     """
 
     request_id: RequestId

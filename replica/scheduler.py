@@ -1,6 +1,6 @@
 """Continuous-batching scheduler: one mixed batch of prefill chunks and decodes per step.
 
-Rules (DESIGN.md §4): admission counts cached blocks; the token budget and
+Rules (ARCHITECTURE.md §4): admission counts cached blocks; the token budget and
 ``max_num_seqs`` are charged only for tokens that will be computed; only the blocks a
 step's chunk needs are allocated; a non-final prefill chunk ends on a page boundary
 (page-aligned prefill); the last prompt token is always computed; under KV pressure the

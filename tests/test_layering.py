@@ -1,4 +1,4 @@
-"""DESIGN.md §1 import directions, enforced."""
+"""ARCHITECTURE.md §1 import directions, enforced."""
 
 import ast
 import subprocess

@@ -13,7 +13,7 @@ def cached_tokens(blocks: int, block_size: int, num_tokens: int) -> int:
     """Tokens a policy expects to be cached for ``blocks`` leading blocks.
 
     Capped at ``num_tokens - 1``: the engine always computes the last prompt token to
-    get logits (DESIGN.md §4), so at most ``num_tokens - 1`` tokens can be served from
+    get logits (ARCHITECTURE.md §4), so at most ``num_tokens - 1`` tokens can be served from
     cache.
     """
     return max(0, min(blocks * block_size, num_tokens - 1))
