@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -23,27 +23,46 @@ from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import get_or_create_router_actor
+from kvroute.replica.config import EngineConfig
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.outputs import TokenDelta
+
+if TYPE_CHECKING:  # torch stays out of the processes that only hold a handle (the ingress)
+    from kvroute.replica.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
 
+EngineFactory = Callable[[EngineConfig], Awaitable["AsyncEngine"]]
+
+
+async def model_engine(config: EngineConfig, torch_threads: int | None = None) -> "AsyncEngine":
+    """The default engine of a replica: the model of ``config`` on this process's device
+    (loaded in a thread, so the actor's event loop keeps answering Serve)."""
+    import torch
+
+    from kvroute.replica.async_engine import AsyncEngine
+    from kvroute.replica.engine import Engine
+
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    return AsyncEngine(await asyncio.to_thread(Engine, config))
+
+
 class EngineReplica:
-    async def __init__(self, config: ClusterConfig) -> None:
-        import torch
+    """One Serve replica around one ``AsyncEngine``. ``engine_factory(engine_config)``
+    builds the engine (default: ``model_engine``); tests and other engines pass their own."""
 
-        from kvroute.replica.async_engine import AsyncEngine
-        from kvroute.replica.engine import Engine
-
-        torch.set_num_threads(config.torch_threads_per_replica)
+    async def __init__(self, config: ClusterConfig, engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         engine_config = dataclasses.replace(config.engine, replica_id=self.replica_id)
-        engine = await asyncio.to_thread(Engine, engine_config)
-        if engine.hash_spec != config.hash_spec:
-            raise ValueError(f"engine hash spec {engine.hash_spec} differs from the cluster's {config.hash_spec}")
-        self.engine = AsyncEngine(engine)
+        if engine_factory is None:
+            self.engine = await model_engine(engine_config, config.torch_threads_per_replica)
+        else:
+            self.engine = await engine_factory(engine_config)
+        if self.engine.hash_spec != config.hash_spec:
+            raise ValueError(f"engine hash spec {self.engine.hash_spec} differs from the cluster's {config.hash_spec}")
         self.publisher = EventPublisher(self.replica_id)
         self.engine.add_event_listener(self._on_events)
         self._changed = asyncio.Event()
@@ -71,36 +90,15 @@ class EngineReplica:
     async def debug_state(self, call: ReplicaCall) -> dict[str, Any]:
         """This replica's exact cache and block state (for tests and operators)."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
-        engine = self.engine.engine
-
-        def read() -> dict[str, Any]:
-            stats = engine.stats()
-            return {
-                "replica_id": self.replica_id,
-                "cached_block_hashes": engine.cached_block_hashes(),
-                "blocks_in_use": sum(1 for c in stats.block_ref_counts if c > 0),
-                "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting,
-                "num_free_blocks": stats.num_free_blocks,
-                "num_kv_blocks": stats.num_kv_blocks,
-                "prefix_cache_queries": stats.prefix_cache_queries,
-                "prefix_cache_hits": stats.prefix_cache_hits,
-                "num_preemptions": stats.num_preemptions,
-                "publisher_seq": self.publisher.seq,
-                "route_ticket": engine.scheduler.route_ticket,
-                **self.counters,
-            }
-
-        return await self.engine.between_steps(read)
+        state = await self.engine.debug_state()
+        return {"replica_id": self.replica_id, **state, "publisher_seq": self.publisher.seq, **self.counters}
 
     async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
         """Forget every cached block (between benchmark runs, so each starts cold); only
         possible while no request holds a block. The router learns it from the next
         snapshot or from the ``cleared`` flag of the next event batch."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
-        engine = self.engine.engine
-        ok = await self.engine.between_steps(engine.reset_prefix_cache)
-        return {"replica_id": self.replica_id, "reset": bool(ok)}
+        return {"replica_id": self.replica_id, "reset": await self.engine.reset_prefix_cache()}
 
     async def check_health(self) -> None:
         if self.engine.failure is not None:
@@ -122,15 +120,8 @@ class EngineReplica:
             self._changed.set()
 
     async def _register(self) -> None:
-        engine = self.engine.engine
-
-        def snapshot() -> tuple[list, int, Any]:
-            return engine.cached_block_hashes(), self.publisher.snapshot_seq(), engine.load()
-
-        hashes, seq, load = await self.engine.between_steps(snapshot)
-        await self._router.register.remote(
-            self.replica_id, engine.hash_spec, engine.kv.num_blocks, hashes, seq, load
-        )
+        hashes, load, seq = await self.engine.cache_snapshot(self.publisher.snapshot_seq)
+        await self._router.register.remote(self.replica_id, self.engine.hash_spec, self.engine.num_kv_blocks, hashes, seq, load)
         self._registered = True
         self.counters["registrations"] += 1
 
@@ -210,7 +201,9 @@ def replica_version(config: ClusterConfig) -> str:
     return hashlib.sha256(repr(neutral).encode()).hexdigest()[:16]
 
 
-def build_engine_deployment(config: ClusterConfig, version: str | None = None) -> serve.Application:
+def build_engine_deployment(
+    config: ClusterConfig, version: str | None = None, engine_factory: EngineFactory | None = None
+) -> serve.Application:
     """The replica deployment bound to ``config`` (run it with ``serve.run``).
 
     ``version`` (e.g. :func:`replica_version`) pins Serve's code version: without it
@@ -238,4 +231,4 @@ def build_engine_deployment(config: ClusterConfig, version: str | None = None) -
         # Ray 2.60 took `version` out of the public options; Serve itself still sets it
         # this way (a second call, so the user-configured option names stay as above).
         deployment = deployment.options(_internal=True, version=version)
-    return deployment.bind(replica_config)
+    return deployment.bind(replica_config, engine_factory)

@@ -38,7 +38,7 @@ class EngineBackend:
         cache_salt: Optional[str],
         trace: RouteTrace,
     ) -> AsyncIterator[TokenDelta]:
-        trace.replica_id = self.engine.engine.config.replica_id
+        trace.replica_id = self.engine.replica_id
         gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt)
         try:
             async for delta in gen:

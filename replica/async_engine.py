@@ -7,14 +7,18 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
+from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine
+from kvroute.replica.kv_events import LoadFigures
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.request import Request
 from kvroute.replica.request_metrics import EngineMetrics
 from kvroute.replica.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -118,6 +122,48 @@ class AsyncEngine:
             return {"engine": stats, **self.metrics.report()}
 
         return await self.between_steps(read)
+
+    # ------------------------------------------------------------------ what hosts read
+    @property
+    def replica_id(self) -> str:
+        return self.engine.config.replica_id
+
+    @property
+    def hash_spec(self) -> HashSpec:
+        return self.engine.hash_spec
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv.num_blocks
+
+    async def cache_snapshot(self, also: Callable[[], T]) -> tuple[list[BlockHash], LoadFigures, T]:
+        """The cached block hashes, the load figures and ``also()``, all as of one step
+        boundary (a replica registers with them, ``also`` naming its event sequence)."""
+        return await self.between_steps(lambda: (self.engine.cached_block_hashes(), self.engine.load(), also()))
+
+    async def debug_state(self) -> dict[str, Any]:
+        """The engine's exact cache and block state, as of a step boundary."""
+
+        def read() -> dict[str, Any]:
+            stats = self.engine.stats()
+            return {
+                "cached_block_hashes": self.engine.cached_block_hashes(),
+                "blocks_in_use": sum(1 for c in stats.block_ref_counts if c > 0),
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_free_blocks": stats.num_free_blocks,
+                "num_kv_blocks": stats.num_kv_blocks,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
+                "num_preemptions": stats.num_preemptions,
+                "route_ticket": self.engine.scheduler.route_ticket,
+            }
+
+        return await self.between_steps(read)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False while a request holds one."""
+        return bool(await self.between_steps(self.engine.reset_prefix_cache))
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

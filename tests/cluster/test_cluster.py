@@ -5,6 +5,7 @@ share one two-replica application; the scaling test comes last because it change
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -313,3 +314,30 @@ def test_scaling_up_registers_and_down_drains_and_purges(app, tiny_llama_path):
     assert all(len(_tokens(o)) == 80 for o in outs)  # in-flight requests finished
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 1, 30, "removed replicas to leave the directory")
     assert len(_settle(router, config)) == 1
+
+
+def test_an_injected_engine_factory_builds_the_replicas_engine(ray_cluster, tiny_llama_path):
+    """``build_engine_deployment(config, engine_factory=...)``: the replica runs whatever
+    engine the factory builds (here the model engine with 48 KV blocks instead of the
+    config's) and registers, routes and serves through it as usual."""
+    from kvroute.cluster.replica_deployment import model_engine
+
+    async def small_cache_engine(engine_config):  # nested: Ray pickles it by value
+        return await model_engine(dataclasses.replace(engine_config, num_kv_blocks=48), torch_threads=1)
+
+    name = "kvtest-factory"
+    config = _config(tiny_llama_path, app_name=name, num_replicas=1).with_random_hash_seed()
+    assert config.engine.num_kv_blocks != 48
+    serve.run(build_engine_deployment(config, engine_factory=small_cache_engine), name=name, route_prefix=None)
+    try:
+        client = _client(config)
+        out = asyncio.run(client.complete(PREFIX[:40], GREEDY))
+        assert len(_tokens(out)) == 8
+        router = ray.get_actor(config.router_actor_name, namespace=ROUTER_NAMESPACE)
+        (rid,) = ray.get(router.replicas.remote())
+        state = asyncio.run(client.debug_state(rid))
+        assert state["num_kv_blocks"] == 48 and state["blocks_in_use"] == 0
+        assert state["cached_block_hashes"] and state["registrations"] >= 1
+    finally:
+        serve.delete(name)
+        kill_router_actor(config.router_actor_name)
