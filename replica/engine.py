@@ -30,19 +30,15 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_free_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    queued_prefill_tokens: int
-    prefill_tokens_per_s: float
-    decode_step_s: float
-    max_batch_size: int
+class EngineStats(LoadFigures):
+    """The engine's load figures (what it reports to the router) and its counters."""
+
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    max_batch_size: int = 0
     block_ref_counts: list[int] = field(repr=False, default_factory=list)
 
 
@@ -272,17 +268,12 @@ class Engine:
         """``with_ref_counts=False`` skips the O(num_blocks) per-block ref counts."""
         s = self.scheduler
         return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            **vars(self.telemetry.load()),
             num_kv_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
-            kv_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=s.num_preemptions,
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-            prefill_tokens_per_s=self.telemetry.prefill_tokens_per_s,
-            decode_step_s=self.telemetry.decode_step_s,
             max_batch_size=s.max_batch_size,
             block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks] if with_ref_counts else [],
         )

@@ -207,6 +207,7 @@ class LoadView:
             kv_usage=f.kv_usage,
             prefill_tokens_per_s=f.prefill_tokens_per_s,
             decode_step_s=f.decode_step_s,
+            route_ticket=f.route_ticket,
             capacity_blocks=self._capacity[s],
             in_flight=self.in_flight[s],
         )

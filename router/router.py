@@ -8,9 +8,10 @@ decision's ticket (``RouteDecision.ticket``; the caller hands it to the replica,
 reports name the tickets they count: see ``LoadView``), and calls ``policy.on_routed``.
 Nothing here is thread-safe: one caller (the router actor) drives it.
 
-Request path: ``candidate_table`` hands the kvroute policy the directory's match and
-the load columns for the candidates in one object (``CandidateTable``), and ``route``
-reads the chosen replica's matched blocks back from it instead of matching again. An
+Request path: ``route`` matches the request once: ``candidate_table`` gives the
+directory's depth and the load columns for every candidate in one object
+(``CandidateTable``), which rides on the ``RouteRequest`` to the policy and gives
+``route`` the chosen replica's matched blocks afterwards. An
 explicit candidate list equal to the previous one is validated once and reused as one
 tuple object, so the directory's and the load view's per-candidate-set caches hit
 (the cluster passes a fresh list per request).
@@ -78,9 +79,6 @@ class Router:
         self._events_gap = 0
         self._events_unknown = 0
         self._block_updates = 0
-        self._last_match: dict[ReplicaId, int] | None = None
-        self._last_match_key: Sequence[BlockHash] | None = None
-        self._last_table: CandidateTable | None = None
         self.load = self.loads.load  # type: ignore[method-assign]  # one call less on the request path
         self._all: tuple[ReplicaId, ...] = ()  # every replica, one object until membership changes
         self._given: tuple[ReplicaId, ...] | None = None  # last explicit candidate list, validated
@@ -157,25 +155,14 @@ class Router:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
             )
-        request = RouteRequest(block_hashes, num_tokens, cands)
-        self._last_match = self._last_table = None
+        request = RouteRequest(block_hashes, num_tokens, cands, self.candidate_table(block_hashes, cands))
         policy = self.policy
         decision = policy.choose(request, self)
         chosen = decision.replica_id
-        # uncached tokens there, as the directory sees them (baselines may not predict it)
-        table = self._last_table
-        if table is not None and table.candidates is cands:
-            try:
-                held = table.depth[cands.index(chosen)]
-            except ValueError:
-                raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
-        else:
-            if chosen not in self.directory or (candidates is not None and chosen not in cands):
-                raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate")
-            m = self._last_match
-            if m is None or self._last_match_key is not block_hashes or chosen not in m:
-                m = self.directory.match(block_hashes, [chosen])
-            held = m[chosen]
+        try:  # the blocks the directory sees there (the policy's own belief may differ)
+            held = request.table.depth[cands.index(chosen)]  # type: ignore[union-attr]
+        except ValueError:
+            raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
         cached = held * self.block_size
         if cached >= num_tokens:
             cached = max(num_tokens - 1, 0)
@@ -187,23 +174,16 @@ class Router:
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
-        self._last_match = self._last_table = None
         return decision
 
     # ------------------------------------------------------------------ ClusterView
     def prefix_match(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str]) -> dict[ReplicaId, int]:
-        m = self.directory.match(block_hashes, candidates)
-        self._last_match, self._last_match_key = m, block_hashes
-        return m
+        return self.directory.match(block_hashes, candidates)
 
     def candidate_table(self, block_hashes: Sequence[BlockHash], candidates: Sequence[ReplicaId]) -> CandidateTable:
         """The directory's match and the load columns for ``candidates``, in their order."""
-        d = self.directory
-        table = CandidateTable(
-            candidates, d.match_depths(block_hashes, candidates), *self.loads.columns(candidates), self._fill_of(candidates)
-        )
-        self._last_table = table
-        return table
+        depths = self.directory.match_depths(block_hashes, candidates)
+        return CandidateTable(candidates, depths, *self.loads.columns(candidates), self._fill_of(candidates))
 
     def _fill_of(self, candidates: Sequence[ReplicaId]) -> Callable[[Sequence[int]], list[int]]:
         rooms = self.directory.cache_rooms

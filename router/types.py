@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, NewType, Sequence
 
 from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.kv_events import LoadFigures
 
 ReplicaId = NewType("ReplicaId", str)
 
@@ -14,11 +15,14 @@ ReplicaId = NewType("ReplicaId", str)
 @dataclass(frozen=True)
 class RouteRequest:
     """What the router knows of one request: its full-block hashes (computed once, at
-    the caller, with the cluster's HashSpec) and its prompt length in tokens."""
+    the caller, with the cluster's HashSpec), its prompt length in tokens, and the
+    candidates. ``table``: the candidates' matched depths and load columns, built by
+    the ``Router`` for this request (None for a policy driven by a hand-built view)."""
 
     block_hashes: Sequence[BlockHash]
     num_tokens: int
     candidates: Sequence[ReplicaId]
+    table: CandidateTable | None = None
 
 
 @dataclass(slots=True)
@@ -43,16 +47,11 @@ def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:
 
 
 @dataclass(frozen=True)
-class ReplicaLoad:
-    """A replica's load as the router sees it: the last reported figures plus the
-    optimistic increments for requests routed since that report."""
+class ReplicaLoad(LoadFigures):
+    """A replica's load as the router sees it: its last reported ``LoadFigures``, with
+    the optimistic increments for requests routed there since that report folded into
+    ``queued_prefill_tokens`` and counted in ``in_flight``, and its KV capacity."""
 
-    num_waiting: int = 0
-    num_running: int = 0
-    queued_prefill_tokens: int = 0
-    kv_usage: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    decode_step_s: float = 0.0
     capacity_blocks: int = 0
     in_flight: int = 0  # routed here since the last report
 

@@ -1,80 +1,20 @@
 """kvroute's own policy: the smallest predicted time to first token, sticky to owners.
 
-Model (per candidate replica ``r``, for a request of ``n`` prompt tokens)::
+The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
 
-    cached_r   = min(matched_blocks_r × block_size, n − 1)      # the last token is always computed
-    work_r     = queued_prefill_tokens_r + (n − cached_r)        # tokens r must prefill before our first token
-    prefill_r  = work_r / fleet_prefill_tokens_per_s
-    interf_r   = ceil(work_r / step_tokens) × decode_step_s_r    if r has running decodes, else 0
-    ttft_r     = prefill_r + interf_r
+    cached_r = min(matched_blocks_r × block_size, n − 1)      # the last token is always computed
+    work_r   = queued_prefill_tokens_r + n − cached_r
+    ttft_r   = work_r / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
-``queued_prefill_tokens`` and the decode step come from the replica's last load report plus
-the router's optimistic increments (``LoadView``); the prefill rate is the mean of the
-candidates' measured rates (``fallback_rates``). The decode-interference term charges one
-decode step per engine step the prefill spans: with chunked prefill each step carries
-the running decodes too, so a busy decoder stretches every chunk by about one decode
-step. A replica with no measured rate yet uses the mean of its measured peers' rates, or,
-before any measurement, ``default_prefill_tokens_per_s`` /
-``default_decode_step_s``, so a cold cluster still routes sensibly.
-
-Choice (hot-prefix replication without scattering): let ``best`` be the smallest
-``ttft_r`` among the *admissible* candidates (below) and ``slack = (slack_rel − 1) ×
-best + slack_abs_s``. An owner is eligible when ``ttft_r ≤ best + slack × cached_r / n``:
-its stickiness is worth the share of the prompt it holds (a one-block hit on a long
-prompt buys no queueing; a shared system prompt that is most of the prompt buys nearly
-the whole slack). Among eligible owners the one with the LONGEST cached prefix wins,
-then the smaller ``ttft_r``, then the shorter queue, then candidate order. So a request stays with a replica holding its prefix until
-that owner's predicted TTFT exceeds the best alternative (which includes recomputing the
-prefix) by the slack; only then does a second replica take it, and once that one holds
-the prefix (pending at once, then confirmed) it competes as an owner, so the prefix
-spreads one replica at a time as demand grows rather than over the whole fleet. When
-every candidate has requests waiting (``saturated_stick``), the fleet is the bottleneck
-and a recomputed prefix delays everyone queued behind it too, so an owner's slack also
-gains the time its prefix saves (``cached_r / fleet rate``): in the simulator at 2.5×
-capacity (Zipf) this kept the hit rate at 0.85 instead of 0.74 and raised throughput
-1.14×.
-
-Admissible (decode-aware placement). TTFT alone keeps a hot prefix on its owner: a hit
-costs one engine step there, a miss elsewhere a whole prefill, so the owner's batch of
-running decodes grows without bound and its decode steps (every request's inter-token
-time, and the fleet's throughput) degrade. Two rules bound it, each applied only while
-some candidate passes it:
-
-* **batch**: ``queue_len_r`` (waiting + running + routed since the last report) at most
-  ``max(batch_slack_rel × q_min, q_min + batch_slack_abs)``, ``q_min`` the lightest
-  candidate's. Past it the owner takes no more; the prefix replicates to the best other
-  replica, which then takes its share as an owner (reason ``hot_prefix_replica``, then
-  ``prefix``).
-* **KV admission**: a replica is admission-blocked for this request when its free KV
-  blocks (``(1 - kv_usage) × capacity``, as reported), less the blocks its queued
-  prefill tokens will take, cannot hold the blocks this request needs THERE (its
-  uncached tokens): the request would wait for running requests to finish (seconds),
-  which the prefill model does not see. An owner needs only its suffix's blocks, so it
-  stays admissible where a non-owner (which would recompute the prefix and evict that
-  replica's own prefixes) is not; and while every candidate has requests waiting
-  (saturated, below), an owner of at least half the prompt is never blocked: the
-  request waits for blocks there rather than costing the fleet the prefix again. (A
-  first version blocked any replica at ``kv_usage ≥ 0.9`` with requests waiting: in a
-  KV-bound fleet every replica is "full", and it scattered hot groups — simulator, Zipf
-  with KV for half the prefixes: 0.74× cache_aware_sglang's throughput.)
-
-A new prefix (no candidate holds any of it) goes, among the eligible, to the replica
-whose cache has the most room left in blocks (capacity - cached - pending, within
-``fill_slack`` × the request's blocks of the roomiest), then by TTFT:
-the prefix then lives where it will not be evicted soon, and new prefixes spread
-evenly (SGLang's smallest-tree rule, on the exact directory).
-
-Reasons: ``"cold"`` (no candidate holds any leading block), ``"prefix"`` (the chosen
-replica holds the longest prefix of any candidate), ``"hot_prefix_replica"`` (the chosen
-holds none of it while another candidate does), ``"load"`` (the chosen holds a shorter,
-non-empty prefix than the best).
-
-Request path: ``choose`` reads a ``CandidateTable`` (columns, from
-``Router.candidate_table``; or built from the plain ``ClusterView`` calls), so the
-per-candidate work is one list comprehension for the TTFTs and C-level passes for the
-rest. A request with one clear owner (the only one holding its longest prefix, admissible,
-no candidate short of KV) skips even the comprehension: a lower bound on the best TTFT
-settles that the owner is within its slack, which is the full pass's decision too.
+Among the admissible candidates (batch: a queue at most ``max(1.5 × lightest, lightest
++ 16)``; KV: free blocks, less the queued prefills', for what the request needs there),
+``best`` is the smallest TTFT. An owner whose TTFT is within ``best`` plus its share
+``cached_r / n`` of the slack is eligible (plus ``cached_r / fleet_rate`` while every
+candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
+a new prefix goes to the roomiest cache among the near-best, anything else to ``best``.
+Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
+another holds), ``load`` (a shorter one). Why each rule, and what it measured:
+``router/POLICIES.md``.
 """
 
 from __future__ import annotations
@@ -136,15 +76,9 @@ class KVRoutePolicy(Policy):
         self.saturated_stick = bool(saturated_stick)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
-        """(prefill tokens/s of every candidate, decode step s of one not measured yet):
-        the means over the measured candidates, or the configured defaults before any
-        measurement.
-
-        The prefill rate is the fleet's, not each replica's own: the replicas of one
-        deployment are identical, so per-replica differences are measurement noise
-        (a step slowed by a neighbour, chunks mixed with decodes), and trusting them
-        starves a replica measured slow once: it gets no traffic, so it never measures
-        again (a 2-replica CPU run put 23 of 24 requests on one replica that way)."""
+        """(the fleet's prefill tokens/s, the decode step s of a replica not measured
+        yet): the means over the measured candidates, or the configured defaults
+        before any measurement (why the fleet's rate: router/POLICIES.md)."""
         return self._fallback([ld.prefill_tokens_per_s for ld in loads], [ld.decode_step_s for ld in loads])
 
     def _fallback(self, rates: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
@@ -155,16 +89,19 @@ class KVRoutePolicy(Policy):
             sum(steps) / len(steps) if steps else self.default_decode_step_s,
         )
 
+    def ttfts(self, works: Sequence[int], interference: Sequence[float], fleet_rate: float) -> list[float]:
+        """THE TTFT formula: for each candidate, ``work`` tokens to prefill before the
+        request's first token at ``fleet_rate``, plus one decode step (``interference``,
+        0.0 where no decodes run) per engine step the prefill spans."""
+        S = self.step_tokens
+        return [w / fleet_rate + -(-w // S) * d for w, d in zip(works, interference)]
+
     def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: Sequence[ReplicaLoad] = ()) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of
         prefill; ``peers`` (the other candidates) supply the rates ``load`` lacks."""
         fleet_rate, default_step = self.fallback_rates([load, *peers])
-        work = load.queued_prefill_tokens + uncached_tokens
-        t = work / fleet_rate
-        if load.num_running:
-            steps = -(-work // self.step_tokens)
-            t += steps * (load.decode_step_s or default_step)
-        return t
+        interference = (load.decode_step_s or default_step) if load.num_running else 0.0
+        return self.ttfts([load.queued_prefill_tokens + uncached_tokens], [interference], fleet_rate)[0]
 
     def batch_limit(self, queue_lens: Sequence[int]) -> float:
         """The most requests (waiting + running + routed since the last report) a
@@ -178,12 +115,11 @@ class KVRoutePolicy(Policy):
         be and still count as near it."""
         return best * (self.slack_rel - 1.0) + self.slack_abs_s
 
-    @staticmethod
-    def _per_token(slack: float, n: int, fleet_rate: float, saturated: bool) -> float:
-        """An owner's slack per cached token of an ``n``-token prompt: its share of
-        ``slack``, plus, while every candidate has requests waiting (the fleet is the
-        bottleneck, and a prefix recomputed elsewhere delays everyone queued there),
-        the prefill time each cached token saves the fleet."""
+    def _per_token(self, best: float, n: int, fleet_rate: float, saturated: bool) -> float:
+        """An owner's slack per cached token of an ``n``-token prompt: its share of the
+        slack, plus, while every candidate has requests waiting, the prefill time each
+        cached token saves the fleet."""
+        slack = self._slack(best)
         return slack / n + 1.0 / fleet_rate if saturated else slack / n
 
     @staticmethod
@@ -199,11 +135,7 @@ class KVRoutePolicy(Policy):
 
     # ------------------------------------------------------------------ choice
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
-        build = getattr(view, "candidate_table", None)
-        if build is not None:
-            table = build(request.block_hashes, request.candidates)
-        else:
-            table = self.table_from_view(request, view)
+        table = request.table if request.table is not None else self.table_from_view(request, view)
         return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes))
 
     @staticmethod
@@ -220,127 +152,148 @@ class KVRoutePolicy(Policy):
         return CandidateTable.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
 
     def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0) -> RouteDecision:
-        """The decision for a request of ``num_tokens`` tokens over ``table`` (the
-        request path: each per-candidate pass is one comprehension or C call)."""
-        cands = table.candidates
+        """The decision for a request of ``num_tokens`` tokens over ``table``: estimate
+        the owners, settle a clear owner at once, else compute every TTFT, filter the
+        admissible, pick an owner within its slack, else place the request."""
         n = num_tokens
-        queued = table.queued
-        # One prefill rate for the whole fleet (see fallback_rates); decode steps stay
-        # per replica (they grow with the replica's batch).
-        if table.measured:
-            rates = table.rate
-            fleet_rate = sum(rates) / len(rates)
-            interf = table.interference
-        else:  # an unmeasured replica borrows its peers' mean decode step
-            fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
-            interf = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
-        S = self.step_tokens
-        # the owners' cached prefixes and predicted TTFTs (predict_ttft, inlined)
-        depth = table.depth
-        cap = max(n - 1, 0)
-        cached: dict[int, int] = {}
-        own_ts: dict[int, float] = {}
-        longest = 0
-        top = -1  # the owner with the longest prefix, -1 if two share it
-        if any(depth):
-            for i in compress(range(len(depth)), depth):
-                c = depth[i] * block_size
-                if c > cap:
-                    c = cap
-                cached[i] = c
-                if c > longest:
-                    longest, top = c, i
-                elif c == longest:
-                    top = -1
-                w = queued[i] + n - c
-                own_ts[i] = w / fleet_rate + -(-w // S) * interf[i]
-        # decode-aware: a replica whose batch ran past the limit takes no more; nor does
-        # one without the free KV blocks this request needs there (admission-blocked),
-        # while some candidate is neither
+        est = self._estimate(table, n, block_size)
         qlen = table.queue_len
         saturated = self.saturated_stick and min(table.backlog) > 0
         blimit = self.batch_limit(qlen)
         over = max(qlen) > blimit
-        free = table.free_blocks
-        least = min(free)
-        kv_short = least < inf and least * block_size - max(queued) < n  # someone may lack KV room
+        least = min(table.free_blocks)
+        kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
+        top = est.top
         if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
-            # Shortcut, same decision: no one is KV-blocked, the top owner is admissible,
-            # and ``lb`` (the least queue's uncached TTFT without interference, or an
-            # owner's) is at most the best TTFT of any admissible candidate; the slack
-            # grows with the best, so an owner within the slack of ``lb`` is eligible,
-            # and the unique longest eligible owner wins. The other candidates' TTFTs are
-            # then never needed.
-            lb = (min(queued) + n) / fleet_rate
-            m = min(own_ts.values())
-            if m < lb:
-                lb = m
-            # the full pass's test with lb for best: each float step is monotone, so
-            # this bound is at most the exact one
-            per_token = self._per_token(self._slack(lb), n, fleet_rate, saturated)
-            if own_ts[top] <= lb + per_token * longest:
-                return RouteDecision(cands[top], longest, "prefix")
-        # predicted TTFT with nothing cached (+ 0.0 changes no float), the owners' with
-        # their prefix
-        ts = [(w := q + n) / fleet_rate + -(-w // S) * d for q, d in zip(queued, interf)]
-        for i, t in own_ts.items():
-            ts[i] = t
-        ok: list[bool] | None = None
-        if over:
-            ok = [x <= blimit for x in qlen]
-        # KV admission: free blocks less those the queued prefills take, against the
-        # blocks this request needs there (an owner: only its suffix's); the exact pass
-        # only when the fleet-wide bound (least free, most queued) leaves someone short
+            if self._clear_owner(est, table.queued, n, saturated):
+                return RouteDecision(table.candidates[top], est.longest, "prefix")
+        works = [q + n for q in table.queued]
+        for i, c in est.cached.items():
+            works[i] -= c
+        ts = self.ttfts(works, est.interference, est.fleet_rate)
+        ok = [x <= blimit for x in qlen] if over else None
         if kv_short:
-            room = [f - q / block_size for f, q in zip(free, queued)]
-            if min(room) * block_size < n:  # someone may be short: check each
-                fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]
-                if saturated and cached:  # an owner of most of the prompt waits there (docstring)
-                    for i, c in cached.items():
-                        if 2 * c >= n:
-                            fits[i] = True
-                if ok is not None:
-                    fits = [a and b for a, b in zip(ok, fits)]
-                if any(fits):
-                    ok = fits
+            ok = self._kv_admissible(table, est.cached, n, block_size, saturated, ok)
         best = min(ts) if ok is None else min(compress(ts, ok))
-        slack = self._slack(best)
-        limit = best + slack
-        pick = -1
-        if cached:
-            # An owner's slack is its share of the prompt: sticking to a replica is worth
-            # what its prefix saves, so a 16-token hit on a 3,000-token prompt buys no
-            # queueing, while a shared system prompt keeps its group together.
-            per_token = self._per_token(slack, n, fleet_rate, saturated)
-            owners = [i for i in cached if ts[i] <= best + per_token * cached[i] and (ok is None or ok[i])]
-            if len(owners) == 1:
-                pick = owners[0]
-            elif owners:
-                pick = min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
+        pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:
-            if not longest and table.room is not None:
-                near = map(le, ts, repeat(limit))
-                eligible = list(compress(range(len(ts)), near if ok is None else map(and_, near, ok)))
-                if len(eligible) > 1:
-                    # A new prefix: TTFTs are near-ties, so place it where the cache has
-                    # the most room left (within fill_slack of this request's blocks),
-                    # so it is not evicted before its group comes back.
-                    rooms = table.room(eligible)
-                    high = max(rooms) - self.fill_slack * num_blocks
-                    eligible = list(compress(eligible, map(ge, rooms, repeat(high))))
-                pick = self._fastest(eligible, ts, qlen)
-            elif ts.count(best) == 1:  # the usual case: one fastest replica
-                pick = ts.index(best)
-            else:
-                tied = [i for i, t in enumerate(ts) if t == best and (ok is None or ok[i])]
-                pick = min(tied, key=qlen.__getitem__)  # the first of the shortest queues
-        c = cached.get(pick, 0)
-        if not longest:
-            reason = "cold"
-        elif c == longest:
-            reason = "prefix"
-        elif c == 0:
-            reason = "hot_prefix_replica"
-        else:
-            reason = "load"
-        return RouteDecision(cands[pick], c, reason)
+            pick = self._place(table, est, ts, ok, best, num_blocks)
+        c = est.cached.get(pick, 0)
+        return RouteDecision(table.candidates[pick], c, _reason(c, est.longest))
+
+    def _estimate(self, table: CandidateTable, n: int, block_size: int) -> "_Estimate":
+        """The fleet's prefill rate, each candidate's decode interference, and the
+        owners' cached tokens and TTFTs."""
+        fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
+        if table.measured:
+            interference = table.interference
+        else:  # an unmeasured replica borrows its peers' mean decode step
+            interference = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
+        est = _Estimate(fleet_rate, interference)
+        depth = table.depth
+        if any(depth):
+            cap = max(n - 1, 0)
+            cached = est.cached
+            for i in compress(range(len(depth)), depth):
+                c = min(depth[i] * block_size, cap)
+                cached[i] = c
+                if c > est.longest:
+                    est.longest, est.top = c, i
+                elif c == est.longest:
+                    est.top = -1
+            queued = table.queued
+            owners = list(cached)
+            own = self.ttfts([queued[i] + n - cached[i] for i in owners], [interference[i] for i in owners], fleet_rate)
+            est.own_ts = dict(zip(owners, own))
+        return est
+
+    def _clear_owner(self, est: "_Estimate", queued: Sequence[int], n: int, saturated: bool) -> bool:
+        """Whether the one owner with the longest prefix (admissible, nobody KV-short)
+        is eligible, without the other candidates' TTFTs: ``lb`` (the least queue's
+        uncached TTFT without interference, or an owner's) bounds the best admissible
+        TTFT from below, and the slack grows with the best, so an owner within the
+        slack of ``lb`` is within the slack of the best, and the unique longest
+        eligible owner wins the full pass too."""
+        lb = min((min(queued) + n) / est.fleet_rate, min(est.own_ts.values()))
+        return est.own_ts[est.top] <= lb + self._per_token(lb, n, est.fleet_rate, saturated) * est.longest
+
+    @staticmethod
+    def _kv_admissible(
+        table: CandidateTable, cached: dict[int, int], n: int, block_size: int, saturated: bool, ok: list[bool] | None
+    ) -> list[bool] | None:
+        """``ok`` narrowed to the candidates whose free blocks, less those their queued
+        prefills take, hold what the request needs there (an owner: its suffix); a
+        saturated fleet's owner of half the prompt or more always passes. Unchanged
+        when everyone fits, or when no one would."""
+        room = [f - q / block_size for f, q in zip(table.free_blocks, table.queued)]
+        if min(room) * block_size >= n:
+            return ok
+        fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]
+        if saturated:
+            for i, c in cached.items():
+                if 2 * c >= n:
+                    fits[i] = True
+        if ok is not None:
+            fits = [a and b for a, b in zip(ok, fits)]
+        return fits if any(fits) else ok
+
+    def _eligible_owner(
+        self, est: "_Estimate", ts: list[float], ok: list[bool] | None, best: float, n: int, saturated: bool,
+        qlen: Sequence[int],
+    ) -> int:
+        """The admissible owner within its share of the slack with the longest prefix
+        (then the smaller TTFT, the shorter queue, the first); -1 if none."""
+        cached = est.cached
+        if not cached:
+            return -1
+        per_token = self._per_token(best, n, est.fleet_rate, saturated)
+        owners = [i for i in cached if ts[i] <= best + per_token * cached[i] and (ok is None or ok[i])]
+        if len(owners) == 1:
+            return owners[0]
+        if owners:
+            return min(owners, key=lambda i: (-cached[i], ts[i], qlen[i], i))
+        return -1
+
+    def _place(
+        self, table: CandidateTable, est: "_Estimate", ts: list[float], ok: list[bool] | None, best: float,
+        num_blocks: int,
+    ) -> int:
+        """No owner eligible: a new prefix goes to the roomiest cache among the
+        admissible near-best (then the fastest); anything else to the fastest
+        admissible replica (then the shorter queue, the first)."""
+        qlen = table.queue_len
+        if not est.longest and table.room is not None:
+            near = map(le, ts, repeat(best + self._slack(best)))
+            eligible = list(compress(range(len(ts)), near if ok is None else map(and_, near, ok)))
+            if len(eligible) > 1:
+                rooms = table.room(eligible)
+                high = max(rooms) - self.fill_slack * num_blocks
+                eligible = list(compress(eligible, map(ge, rooms, repeat(high))))
+            return self._fastest(eligible, ts, qlen)
+        if ts.count(best) == 1:  # the usual case: one fastest replica
+            return ts.index(best)
+        tied = [i for i, t in enumerate(ts) if t == best and (ok is None or ok[i])]
+        return min(tied, key=qlen.__getitem__)  # the first of the shortest queues
+
+
+class _Estimate:
+    """What ``_estimate`` finds for one request: ``cached`` and ``own_ts`` by owner
+    position; ``top``, the one owner with the longest prefix (-1: none, or shared)."""
+
+    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top")
+
+    def __init__(self, fleet_rate: float, interference: Sequence[float]) -> None:
+        self.fleet_rate = fleet_rate
+        self.interference = interference
+        self.cached: dict[int, int] = {}
+        self.own_ts: dict[int, float] = {}
+        self.longest = 0
+        self.top = -1
+
+
+def _reason(cached: int, longest: int) -> str:
+    if not longest:
+        return "cold"
+    if cached == longest:
+        return "prefix"
+    return "hot_prefix_replica" if cached == 0 else "load"
