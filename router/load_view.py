@@ -16,8 +16,9 @@ during a long prefill did, and the router saw that replica idle (a 2-replica run
 
 Layout: each replica owns a slot (reused after removal) and every figure the policies
 read on the request path is a column (a list indexed by slot), so a report or an
-increment is a few list stores and ``columns(candidates)`` hands a policy each column
-for its candidates with one C-level ``itemgetter`` call. ``load(replica)`` builds the
+increment is a few list stores and ``columns`` hands a policy each column for its
+candidates with one C-level ``itemgetter`` call (built once per candidate set by
+``select``). ``load(replica)`` builds the
 ``ReplicaLoad`` object from the columns, cached until that replica's figures change.
 """
 
@@ -68,8 +69,6 @@ class LoadView:
         self._capacity: list[int] = []
         self._reports: list[int] = []
         self._cached: list[ReplicaLoad | None] = []
-        self._getter_key: object = None  # last candidate tuple seen by columns(), and its getter
-        self._getter: Callable[[list], tuple] | None = None
 
     # ------------------------------------------------------------------ membership
     def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
@@ -88,7 +87,6 @@ class LoadView:
         self._reports[s] = 0
         self._transit[s] = deque()
         self._set(s, LoadFigures())
-        self._getter_key = None
 
     def remove_replica(self, replica_id: str) -> None:
         s = self._slot.pop(ReplicaId(replica_id), None)
@@ -96,7 +94,6 @@ class LoadView:
             self._free.append(s)
             self._unmeasured.discard(s)
             self._cached[s] = None
-            self._getter_key = None
 
     # ------------------------------------------------------------------ updates
     def report(self, replica_id: str, figures: LoadFigures) -> None:
@@ -152,25 +149,23 @@ class LoadView:
     def slot(self, replica_id: str) -> int:
         return self._get(replica_id)
 
-    def columns(self, candidates: Sequence[str]) -> Columns:
+    def select(self, candidates: Sequence[str]) -> Callable[[list], Sequence] | None:
+        """A getter of ``candidates``' entries from a column, in their order (None: the
+        candidates are every slot in slot order, so the columns themselves serve).
+        Valid until a replica is added or removed."""
+        slots = [self._get(c) for c in candidates]
+        if slots == list(range(len(self.queued))):
+            return None
+        if len(slots) == 1:
+            only = slots[0]
+            return lambda col: (col[only],)
+        return itemgetter(*slots)
+
+    def columns(self, getter: Callable[[list], Sequence] | None) -> Columns:
         """(queued, rate, running, decode_step, interference, queue_len, backlog,
-        free_blocks, measured) for ``candidates``, in their order (``CandidateTable``'s
-        fields). A tuple of candidates is recognised by identity (the Router passes one
-        object per candidate set), so its getter is built once; when the candidates are
-        every slot in slot order, the live columns themselves come back (read-only)."""
-        if candidates is not self._getter_key:
-            slots = [self._get(c) for c in candidates]
-            if slots == list(range(len(self.queued))):
-                getter = None  # every slot, in slot order: the columns themselves
-            elif len(slots) == 1:
-                only = slots[0]
-                getter = lambda col: (col[only],)  # noqa: E731
-            else:
-                getter = itemgetter(*slots)
-            if type(candidates) is tuple:
-                self._getter_key, self._getter = candidates, getter
-        else:
-            getter = self._getter
+        free_blocks, measured) for the candidates ``getter`` selects (``select``), in
+        their order: ``CandidateTable``'s fields. The live columns come back when the
+        candidates are every slot (read-only)."""
         if getter is None:
             return (
                 self.queued, self.rate, self.running, self.decode_step, self.interference, self.queue_len,

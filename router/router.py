@@ -11,10 +11,9 @@ Nothing here is thread-safe: one caller (the router actor) drives it.
 Request path: ``route`` matches the request once: ``candidate_table`` gives the
 directory's depth and the load columns for every candidate in one object
 (``CandidateTable``), which rides on the ``RouteRequest`` to the policy and gives
-``route`` the chosen replica's matched blocks afterwards. An
-explicit candidate list equal to the previous one is validated once and reused as one
-tuple object, so the directory's and the load view's per-candidate-set caches hit
-(the cluster passes a fresh list per request).
+``route`` the chosen replica's matched blocks afterwards. Each
+candidate list is resolved against the directory and the load view once
+(``_candidate_set``, kept by value until membership changes).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.kv_events import KVEvents, LoadFigures
-from kvroute.router.directory import BlockDirectory
+from kvroute.router.directory import BlockDirectory, Selection
 from kvroute.router.load_view import LoadView
 from kvroute.router.policy import Policy
 from kvroute.router.types import CandidateTable, ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
@@ -45,6 +44,18 @@ def _make_policy(policy: Policy | str, policy_kwargs: dict[str, Any]) -> Policy:
 
         return KVRoutePolicy(**policy_kwargs)
     return make_policy(policy, **policy_kwargs)
+
+
+class _CandidateSet:
+    """One candidate list, resolved: ``ids`` (a tuple), the directory's selection and
+    the load view's column getter."""
+
+    __slots__ = ("ids", "directory", "loads")
+
+    def __init__(self, ids: tuple[ReplicaId, ...], directory: Selection, loads: Callable[[list], Sequence] | None) -> None:
+        self.ids = ids
+        self.directory = directory
+        self.loads = loads
 
 
 class Router:
@@ -80,21 +91,21 @@ class Router:
         self._events_unknown = 0
         self._block_updates = 0
         self.load = self.loads.load  # type: ignore[method-assign]  # one call less on the request path
-        self._all: tuple[ReplicaId, ...] = ()  # every replica, one object until membership changes
-        self._given: tuple[ReplicaId, ...] | None = None  # last explicit candidate list, validated
+        self._all: tuple[ReplicaId, ...] = ()  # every replica
+        self._sets: dict[tuple[ReplicaId, ...], _CandidateSet] = {}  # resolved candidate sets, by value
 
     # ------------------------------------------------------------------ membership
     def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
         self.directory.add_replica(replica_id, capacity_blocks)
         self.loads.add_replica(replica_id, capacity_blocks)
         self._all = tuple(self.directory.replicas())
-        self._given = None
+        self._sets.clear()
 
     def remove_replica(self, replica_id: str) -> None:
         self.directory.remove_replica(replica_id)
         self.loads.remove_replica(replica_id)
         self._all = tuple(self.directory.replicas())
-        self._given = None
+        self._sets.clear()
         self.policy.on_replica_removed(ReplicaId(replica_id))
 
     def replicas(self) -> list[ReplicaId]:
@@ -136,26 +147,13 @@ class Router:
     ) -> RouteDecision:
         """Choose a replica for a request of ``num_tokens`` prompt tokens whose full
         blocks hash to ``block_hashes``; ``candidates`` None means every replica."""
-        if candidates is None:
-            cands = self._all
-            if not cands:
-                raise ValueError("the router has no replicas: call add_replica before routing")
-        else:
-            cands = candidates if type(candidates) is tuple else tuple(candidates)  # type: ignore[assignment]
-            if cands == self._given:  # the same candidates as last time (the cluster's usual case)
-                cands = self._given  # one object: the directory's and load view's caches hit
-            else:
-                if not cands:
-                    raise ValueError("candidates is empty: pass None for all replicas, or at least one replica id")
-                unknown = [c for c in cands if c not in self.directory]
-                if unknown:
-                    raise ValueError(f"unknown candidate replicas {unknown}; known: {sorted(self.directory.replicas())}")
-                self._given = cands
+        cs = self._candidate_set(candidates)
+        cands = cs.ids
         if num_tokens < len(block_hashes) * self.block_size:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
             )
-        request = RouteRequest(block_hashes, num_tokens, cands, self.candidate_table(block_hashes, cands))
+        request = RouteRequest(block_hashes, num_tokens, cands, self._table(block_hashes, cs))
         policy = self.policy
         decision = policy.choose(request, self)
         chosen = decision.replica_id
@@ -180,14 +178,38 @@ class Router:
     def prefix_match(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str]) -> dict[ReplicaId, int]:
         return self.directory.match(block_hashes, candidates)
 
-    def candidate_table(self, block_hashes: Sequence[BlockHash], candidates: Sequence[ReplicaId]) -> CandidateTable:
-        """The directory's match and the load columns for ``candidates``, in their order."""
-        depths = self.directory.match_depths(block_hashes, candidates)
-        return CandidateTable(candidates, depths, *self.loads.columns(candidates), self._fill_of(candidates))
+    def candidate_table(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str] | None) -> CandidateTable:
+        """The directory's match and the load columns for ``candidates`` (None: every
+        replica), in their order."""
+        return self._table(block_hashes, self._candidate_set(candidates))
 
-    def _fill_of(self, candidates: Sequence[ReplicaId]) -> Callable[[Sequence[int]], list[int]]:
-        rooms = self.directory.cache_rooms
-        return lambda positions: rooms(candidates, positions)
+    def _table(self, block_hashes: Sequence[BlockHash], cs: "_CandidateSet") -> CandidateTable:
+        depths = self.directory.match_depths(block_hashes, cs.directory)
+        rooms, selection = self.directory.cache_rooms, cs.directory
+        return CandidateTable(
+            cs.ids, depths, *self.loads.columns(cs.loads), lambda positions: rooms(selection, positions)
+        )
+
+    def _candidate_set(self, candidates: Sequence[str] | None) -> "_CandidateSet":
+        """``candidates`` resolved against the directory and the load view, kept by
+        value until membership changes (the cluster passes a fresh, usually equal,
+        list per request)."""
+        key = self._all if candidates is None else tuple(candidates)
+        cs = self._sets.get(key)  # type: ignore[arg-type]  # (a tuple hashes its ids: O(candidates))
+        if cs is not None:
+            return cs
+        if not key:
+            if candidates is None:
+                raise ValueError("the router has no replicas: call add_replica before routing")
+            raise ValueError("candidates is empty: pass None for all replicas, or at least one replica id")
+        unknown = [c for c in key if c not in self.directory]
+        if unknown:
+            raise ValueError(f"unknown candidate replicas {unknown}; known: {sorted(self.directory.replicas())}")
+        if len(self._sets) >= 256:  # candidate subsets seen since the last membership change
+            self._sets.clear()
+        ids = tuple(ReplicaId(c) for c in key)
+        cs = self._sets[ids] = _CandidateSet(ids, self.directory.select(ids), self.loads.select(ids))
+        return cs
 
     def load(self, replica_id: str) -> ReplicaLoad:
         return self.loads.load(replica_id)
@@ -232,7 +254,7 @@ class Router:
         router.loads = LoadView(kwargs["pending_ttl_s"], router.clock)
         router.load = router.loads.load  # type: ignore[method-assign]
         router._all = tuple(router.directory.replicas())
-        router._given = None
+        router._sets.clear()
         for rid, rs in state["directory"]["replicas"].items():
             router.loads.add_replica(rid, rs["capacity_blocks"])
             fig = state.get("loads", {}).get(rid)

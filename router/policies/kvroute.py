@@ -184,10 +184,11 @@ class KVRoutePolicy(Policy):
     def _estimate(self, table: CandidateTable, n: int, block_size: int) -> "_Estimate":
         """The fleet's prefill rate, each candidate's decode interference, and the
         owners' cached tokens and TTFTs."""
-        fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
         if table.measured:
+            fleet_rate = sum(table.rate) / len(table.rate)
             interference = table.interference
         else:  # an unmeasured replica borrows its peers' mean decode step
+            fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interference = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
         est = _Estimate(fleet_rate, interference)
         depth = table.depth

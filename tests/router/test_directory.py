@@ -260,15 +260,15 @@ def test_match_bisects_instead_of_walking_every_block():
     d.apply("b", 1, chain[:100], [], False)
     d.apply("c", 1, chain[:3], [], False)
     d.add_pending("d", chain[:255])
-    d._owners = Counting(d._owners)
+    d._confirmed._owners = Counting(d._confirmed._owners)
     assert d.match(chain, ["a"]) == {"a": 256}
     assert Counting.gets == 2
     Counting.gets = 0
     assert d.match(chain, ["a", "b", "c", "d"]) == {"a": 256, "b": 100, "c": 3, "d": 255}
     assert Counting.gets <= 2 + 3 * 8
-    assert d.match_depths(chain, ("d", "c", "b", "a")) == [255, 3, 100, 256]
-    assert d.match_depths(chain, ["a", "a"]) == [256, 256]  # a candidate listed twice
-    assert d.match_depths(G, ["a", "b"]) == [0, 0]
+    assert d.match_depths(chain, d.select(("d", "c", "b", "a"))) == [255, 3, 100, 256]
+    assert d.match_depths(chain, d.select(["a", "a"])) == [256, 256]  # a candidate listed twice
+    assert d.match_depths(G, d.select(["a", "b"])) == [0, 0]
 
 
 def test_add_pending_counts_and_state_with_blocks_held_elsewhere():
@@ -311,13 +311,13 @@ def test_runs_found_from_any_depth_and_chained():
     assert d.match(other, ["a"]) == {"a": 50}  # diverges inside the second run
     assert d.match(chain[:33], ["a"]) == {"a": 33}
     assert d.add_pending("b", chain[:60]) == 60
-    assert d.match_depths(chain, ("b", "a")) == [60, 80]
+    assert d.match_depths(chain, d.select(("b", "a"))) == [60, 80]
     d.apply("a", 4, chain[21:40], [], False)  # the first run's last block: it leaves
     assert d.pending("a") == chain[40:80]
     assert d.match(chain, ["a", "b"]) == {"a": 80, "b": 60}
     clock.t += 5.0
     assert d.match(chain, ["a", "b"]) == {"a": 40, "b": 0}
-    assert d.pending("a") == [] and d.cache_rooms(["a", "b"], [0, 1]) == [960, 1000]
+    assert d.pending("a") == [] and d.cache_rooms(d.select(["a", "b"]), [0, 1]) == [960, 1000]
 
 
 def test_confirming_pending_and_removing_keep_owner_bits_exact():
@@ -334,7 +334,7 @@ def test_confirming_pending_and_removing_keep_owner_bits_exact():
     d.apply("b", 2, [], [], True)
     assert d.owners(H[0]) == [] and d.owners(H[1]) == ["a"] and d.owners(H[2]) == ["a"]
     assert d.num_blocks() == 2
-    assert d.cache_rooms(("a", "b"), [1, 0]) == [100, 98]
+    assert d.cache_rooms(d.select(("a", "b")), [1, 0]) == [100, 98]
     assert d.cache_fill("a") == 0.02
 
 
@@ -342,7 +342,7 @@ def test_cache_rooms_follow_every_change():
     d, clock = make("a", "b", capacity=10, ttl=5.0)
 
     def rooms():
-        return d.cache_rooms(["a", "b"], [0, 1])
+        return d.cache_rooms(d.select(["a", "b"]), [0, 1])
 
     assert rooms() == [10, 10]
     d.add_pending("a", H[:3])
@@ -359,4 +359,4 @@ def test_cache_rooms_follow_every_change():
     assert rooms() == [9, 0]
     d.remove_replica("a")
     d.add_replica("c", 6)
-    assert d.cache_rooms(("c", "b"), [0, 1]) == [6, 0]
+    assert d.cache_rooms(d.select(("c", "b")), [0, 1]) == [6, 0]

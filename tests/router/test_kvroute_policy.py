@@ -266,7 +266,7 @@ def test_new_prefix_goes_to_the_roomiest_cache_within_half_a_request():
     r.apply_snapshot("a", hash_blocks(SPEC, [7] * 16 * 100), seq=1)  # 100 unrelated blocks
     r.apply_snapshot("b", hash_blocks(SPEC, [8] * 16 * 130), seq=1)  # 130: within 32 of a's room
     r.apply_snapshot("c", hash_blocks(SPEC, [9] * 16 * 60), seq=1)  # the roomiest
-    view_rooms = r.directory.cache_rooms(("a", "b", "c"), [0, 1, 2])
+    view_rooms = r.directory.cache_rooms(r.directory.select(("a", "b", "c")), [0, 1, 2])
     assert view_rooms == [900, 870, 940]
     h = H  # 64 blocks: slack 32 blocks
     d = r.route(h, N)

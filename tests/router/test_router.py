@@ -202,18 +202,18 @@ def test_same_candidate_list_each_call_and_membership_changes():
 
 def test_load_columns_follow_reports_and_increments():
     r, _ = cluster(2, First())
-    cols = r.loads.columns(("r1", "r0"))
+    cols = r.loads.columns(r.loads.select(("r1", "r0")))
     assert cols == ((0, 0), (0.0, 0.0), (0, 0), (0.0, 0.0), (0.0, 0.0), (0, 0), (0, 0), (1000, 1000), False)
     fig = LoadFigures(num_waiting=2, num_running=3, queued_prefill_tokens=70, kv_usage=0.5,
                       prefill_tokens_per_s=900.0, decode_step_s=0.04)
     r.apply(KVEvents("r0", 1, load=fig))
     r.loads.on_routed("r0", 30)
     r.loads.on_routed("r0", -5)  # nothing uncached: no queued tokens added
-    assert r.loads.columns(("r1", "r0")) == (
+    assert r.loads.columns(r.loads.select(("r1", "r0"))) == (
         (0, 100), (0.0, 900.0), (0, 3), (0.0, 0.04), (0.0, 0.04), (0, 7), (0, 4), (1000, 500), False
     )
     r.apply(KVEvents("r1", 1, load=LoadFigures(prefill_tokens_per_s=800.0, decode_step_s=0.05)))
-    assert r.loads.columns(("r0",)) == ((100,), (900.0,), (3,), (0.04,), (0.04,), (7,), (4,), (500,), True)
-    assert r.loads.columns(("r1", "r0"))[4:] == ((0.0, 0.04), (0, 7), (0, 4), (1000, 500), True)  # r1: no decodes
+    assert r.loads.columns(r.loads.select(("r0",))) == ((100,), (900.0,), (3,), (0.04,), (0.04,), (7,), (4,), (500,), True)
+    assert r.loads.columns(r.loads.select(("r1", "r0")))[4:] == ((0.0, 0.04), (0, 7), (0, 4), (1000, 500), True)  # r1: no decodes
     L = r.load("r0")
     assert (L.queued_prefill_tokens, L.in_flight, L.queue_len) == (100, 2, 7)
