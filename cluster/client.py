@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ray import serve
 from ray.serve import context as serve_context
@@ -88,10 +88,12 @@ class KVRouteClient:
         *,
         request_id: str | None = None,
         prompt: str | None = None,
-        route: RouteTrace | None = None,
+        on_route: Callable[[RouteTrace], None] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one request. ``route``, when given, is filled in with where the request
-        went (the last replica, after any resume) and what the router expected there."""
+        """Stream one request. ``on_route``, when given, is called with where the request
+        went and what the router expected there, as its first token arrives (again
+        after a resume, with reason ``resumed``); not called when another Serve router
+        routes (nothing records the replica)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = [int(t) for t in token_ids]
@@ -133,10 +135,9 @@ class KVRouteClient:
                         raise ReplicaUnavailableError(
                             f"request {rid}: no token within first_token_timeout_s={self.first_token_timeout_s}"
                         ) from None
-                    if first and route is not None and request.route is not None:
-                        route.replica_id = request.route.replica_id
-                        route.expected_cached_tokens = request.route.expected_cached_tokens if attempt == 0 else None
-                        route.reason = request.route.reason if attempt == 0 else "resumed"
+                    if first and on_route is not None and request.served_by is not None:
+                        decision = request.route or RouteTrace(reason="power_of_two")
+                        on_route(decision.served(request.served_by, resumed=attempt > 0))
                     first = False
                     streamed.extend(delta.token_ids)
                     finished = delta.finish_reason is not None

@@ -34,25 +34,52 @@ class GenerateRequest:
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
     # Written by the caller's Serve request router (it runs in the caller's process and
-    # sees this very object, before Serve sends it), read back by the client: where the
-    # request went and why; the replica takes the router's ticket from it.
+    # sees this very object): ``route``, the router's decision, before Serve sends the
+    # request (the replica takes the router's ticket from it); ``served_by``, the
+    # replica Serve sent it to. The client turns them into the caller's RouteTrace.
     route: "RouteTrace | None" = None
+    served_by: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouteTrace:
-    """How one request was routed: the replica that served it, the cached tokens the
-    router expected there (None when no router prediction applies), the reason, and the
-    router's ticket (0: none), which the replica reports back in its load figures."""
+    """How one request was routed: the replica (the router's choice, or the one that
+    served it), the cached tokens the router expected there (None when no router
+    prediction applies), the reason, and the router's ticket (0: none), which the
+    replica reports back in its load figures."""
 
     replica_id: str | None = None
     expected_cached_tokens: int | None = None
     reason: str | None = None
     ticket: int = 0
+
+    def served(self, replica_id: str, resumed: bool = False) -> "RouteTrace":
+        """This decision as it played out on ``replica_id``: a resumed request, or one
+        Serve sent to the next ranked replica (the choice was full), keeps no
+        prediction, since the router's was for another replica or another start."""
+        if resumed:
+            return RouteTrace(replica_id, None, "resumed", self.ticket)
+        if self.replica_id is not None and self.replica_id != replica_id:
+            return RouteTrace(replica_id, None, "next_ranked", self.ticket)
+        return RouteTrace(replica_id, self.expected_cached_tokens, self.reason, self.ticket)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Candidates best first. ``replica_ids[0]`` is the router's decision (its blocks
+    are recorded as pending there); the rest are fallbacks in order of load."""
+
+    replica_ids: list[str]
+    expected_cached_tokens: int
+    reason: str
+    ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
+
+    def trace(self) -> RouteTrace:
+        return RouteTrace(self.replica_ids[0], self.expected_cached_tokens, self.reason, self.ticket)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Ray Serve request router that asks the application's router actor for a ranking.
 
 Runs inside every process that holds a handle to the replica deployment (the HTTP
-ingress, a benchmark job, a test driver). For a ``GenerateRequest`` it sends the block
-hashes the caller computed to the router actor and returns one rank per replica, best
-first; Serve then probes them in that order, so a replica at ``max_ongoing_requests``
-is skipped for the next one. When the router actor cannot answer in time (not started
-yet, restarting, dead) it falls back to power of two choices, counts it, and logs it;
-requests never fail because of the router.
+ingress, a benchmark job, a test driver). A thin Serve shell around ``Ranker``
+(``ranker.py``): for a ``GenerateRequest`` the ranker asks the router actor with the
+block hashes the caller computed and returns the replicas best first; Serve probes them
+in that order, so a replica at ``max_ongoing_requests`` is skipped for the next one.
+When the router actor cannot answer in time (not started yet, restarting, dead) this
+falls back to power of two choices, counts it, and logs it; requests never fail
+because of the router.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
 import ray
 from ray.serve.request_router import (
@@ -27,10 +27,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError, RouteTrace
-
-if TYPE_CHECKING:
-    from kvroute.cluster.router_actor import Ranking
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, Ranking, ReplicaCall, ReplicaUnavailableError
+from kvroute.cluster.ranker import Ranker
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +57,8 @@ class KVRouteRequestRouter(RequestRouter):
         self._actor_name = router_actor_name
         self._timeout_s = timeout_s
         self._actor: Optional[ray.actor.ActorHandle] = None
-        # internal request id -> ranking: a request that Serve re-routes (every ranked
-        # replica was full) reuses its ranking instead of asking (and counting) again.
-        self._rankings: OrderedDict[str, Ranking] = OrderedDict()
-        self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0}
+        self._ranker = Ranker(self._rank, self._note_fallback, _MAX_REMEMBERED_RANKINGS)
+        self.stats = self._ranker.stats
         self._last_fallback_log = float("-inf")
         self._fallback_counter = None
         try:
@@ -106,25 +102,10 @@ class KVRouteRequestRouter(RequestRouter):
         if request is None:
             return self._power_of_two(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        key = pending_request.metadata.internal_request_id
-        ranking = self._rankings.get(key)
-        if ranking is not None:
-            self.stats["reused_rankings"] += 1
-        else:
-            try:
-                ranking = await self._rank(request, list(by_id))
-            except Exception as exc:
-                self._note_fallback(exc)
-                request.route = RouteTrace(reason="fallback")
-                return self._power_of_two(candidate_replicas)
-            self._rankings[key] = ranking
-            if len(self._rankings) > _MAX_REMEMBERED_RANKINGS:
-                self._rankings.popitem(last=False)
-            request.route = RouteTrace(
-                ranking.replica_ids[0], ranking.expected_cached_tokens, ranking.reason, ranking.ticket
-            )
-        ranks = [[by_id[rid]] for rid in ranking.replica_ids if rid in by_id]
-        return ranks or self._power_of_two(candidate_replicas)
+        order = await self._ranker.order(pending_request.metadata.internal_request_id, request, list(by_id))
+        if order is None:
+            return self._power_of_two(candidate_replicas)
+        return [[by_id[rid]] for rid in order]
 
     async def _rank(self, request: GenerateRequest, candidates: list[str]) -> Ranking:
         if self._actor is None:
@@ -137,7 +118,6 @@ class KVRouteRequestRouter(RequestRouter):
         except asyncio.TimeoutError:
             ray.cancel(ref)
             raise
-        self.stats["ranked"] += 1
         PROCESS_STATS["ranked"] += 1
         return ranking
 
@@ -146,7 +126,6 @@ class KVRouteRequestRouter(RequestRouter):
         return [random.sample(candidates, min(2, len(candidates)))]
 
     def _note_fallback(self, exc: BaseException) -> None:
-        self.stats["fallbacks"] += 1
         PROCESS_STATS["fallbacks"] += 1
         if isinstance(exc, ValueError):  # ray.get_actor: no such actor (yet)
             self._actor = None
@@ -168,18 +147,8 @@ class KVRouteRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        self._rankings.pop(pending_request.metadata.internal_request_id, None)
         request = _arg_of(pending_request, GenerateRequest)
-        if request is None:
-            return
-        chosen = replica_id.unique_id
-        route = request.route or RouteTrace(reason="power_of_two")
-        if route.replica_id is not None and route.replica_id != chosen:
-            # The router's choice was full, Serve took the next one: its prediction was
-            # for another replica.
-            route = RouteTrace(chosen, None, "next_ranked", route.ticket)
-        route.replica_id = chosen
-        request.route = route
+        self._ranker.routed(pending_request.metadata.internal_request_id, request, replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
@@ -25,20 +24,9 @@ from kvroute.replica.request_metrics import process_figures
 from kvroute.router.router import Router
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.messages import ROUTER_NAMESPACE
+from kvroute.cluster.messages import ROUTER_NAMESPACE, Ranking
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Ranking:
-    """Candidates best first. ``replica_ids[0]`` is the router's decision (its blocks
-    are recorded as pending there); the rest are fallbacks in order of load."""
-
-    replica_ids: list[str]
-    expected_cached_tokens: int
-    reason: str
-    ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
 
 
 class RouterService:

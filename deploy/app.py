@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
@@ -179,9 +179,9 @@ class ClusterBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
-        trace: RouteTrace,
+        on_route: Callable[[RouteTrace], None],
     ) -> AsyncIterator[TokenDelta]:
-        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, route=trace)
+        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route)
         try:
             async for delta in gen:
                 yield delta

@@ -32,10 +32,11 @@ class Backend(Protocol):
         *,
         request_id: str,
         cache_salt: Optional[str],
-        trace: RouteTrace,
+        on_route: Callable[[RouteTrace], None],
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one request. Raises ValueError for a bad request and ``APIError``
-        (429/503) when it cannot be served; closing the iterator aborts the request."""
+        """Stream one request; ``on_route`` gets where it went (once it is there).
+        Raises ValueError for a bad request and ``APIError`` (429/503) when it cannot
+        be served; closing the iterator aborts the request."""
 
     async def ready(self) -> bool:
         """True while at least one engine can take requests."""
@@ -54,7 +55,10 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
-    trace: RouteTrace = field(default_factory=RouteTrace)
+    trace: RouteTrace = RouteTrace()
+
+    def routed(self, trace: RouteTrace) -> None:
+        self.trace = trace
 
     def absorb(self, delta: TokenDelta) -> None:
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -89,7 +93,7 @@ async def run_choices(
                 params[choice.index % n],
                 request_id=f"{rid}-{choice.index}",
                 cache_salt=cache_salt,
-                trace=choice.trace,
+                on_route=choice.routed,
             )
             try:
                 async for delta in gen:

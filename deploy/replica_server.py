@@ -8,7 +8,7 @@ servers can stand behind such a router on the same engine settings as ours.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI
 
@@ -36,9 +36,9 @@ class EngineBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
-        trace: RouteTrace,
+        on_route: Callable[[RouteTrace], None],
     ) -> AsyncIterator[TokenDelta]:
-        trace.replica_id = self.engine.replica_id
+        on_route(RouteTrace(self.engine.replica_id))
         gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt)
         try:
             async for delta in gen:
