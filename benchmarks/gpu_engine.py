@@ -12,7 +12,7 @@
    Llama-3-8B-shaped model (bf16): decode steps over a grid of batch sizes and context
    lengths and prefill steps of several sizes, fitted to
    ``overhead + batch * per_seq + context_tokens * per_ctx_token`` and
-   ``prefill_tokens / rate`` (see benchmarks/sim/cost_model.py).
+   ``prefill_tokens / rate`` (see replica/profiles.py).
 
 Random checkpoints are saved to a temp dir (config + safetensors + a word-level fast
 tokenizer) and loaded through the engine's real loader.

@@ -38,13 +38,14 @@ EngineFactory = Callable[[EngineConfig], Awaitable["AsyncEngine"]]
 
 async def model_engine(config: EngineConfig, torch_threads: int | None = None) -> "AsyncEngine":
     """The default engine of a replica: the model of ``config`` on this process's device
-    (loaded in a thread, so the actor's event loop keeps answering Serve)."""
-    import torch
-
+    (loaded in a thread, so the actor's event loop keeps answering Serve), or its
+    emulation (``config.emulate``: no torch in the replica)."""
     from kvroute.replica.async_engine import AsyncEngine
     from kvroute.replica.engine import Engine
 
-    if torch_threads is not None:
+    if torch_threads is not None and config.emulate is None:
+        import torch
+
         torch.set_num_threads(torch_threads)
     return AsyncEngine(await asyncio.to_thread(Engine, config))
 

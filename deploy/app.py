@@ -218,9 +218,10 @@ class OpenAIIngress:
         parsed = parse_args(args)
         llm = parsed.llm_configs[0]
         path = await asyncio.to_thread(resolve_model, config.engine.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        arch = ModelArch.from_hf_config(load_hf_config(path))
-        max_model_len = min(config.engine.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        light = config.engine.emulate is not None
+        tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
+        arch = ModelArch.from_hf_config(load_hf_config(path, light))
+        max_model_len = config.engine.context_length(arch.max_position_embeddings)
         self.config = config
         self.router_actor = get_or_create_router_actor(config)
         client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)

@@ -20,6 +20,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--emulate", default=None, metavar="PROFILE",
+        help="run no model: the real scheduler and KV cache with each step timed by this profile "
+        "(replica/profiles.py: gpu_h100_llama3_8b, cpu_measured); tokens are deterministic",
+    )  # fmt: skip
+    p.add_argument("--time-scale", type=float, default=1.0, help="with --emulate: stretch every step's time by this factor")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -31,6 +37,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        emulate=args.emulate,
+        time_scale=args.time_scale,
     )
 
 

@@ -105,27 +105,49 @@ def _config_problems(config: dict[str, Any]) -> list[str]:
     return []
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
-    """The checkpoint folder's transformers config, read locally (never from a hub).
+class RawConfig(dict):
+    """config.json as written, with the ``to_dict`` ``ModelArch`` reads: for what needs
+    only its fields (the emulated engine), without transformers' config classes (whose
+    import pulls torch in)."""
 
-    Raises ValueError when config.json is missing or transformers cannot read it.
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def load_hf_config(path: Path, light: bool = False) -> PretrainedConfig | RawConfig:
+    """The checkpoint folder's transformers config (``light``: its raw fields), read
+    locally (never from a hub).
+
+    Raises ValueError when config.json is missing or cannot be read.
     """
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path} has no config.json")
+    if light:
+        try:
+            return RawConfig(json.loads(file.read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the config in {path}: {e}") from e
     from transformers import AutoConfig
 
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json")
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the config in {path}: {e}") from e
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, light: bool = False) -> PreTrainedTokenizerBase:
     """The checkpoint folder's fast (Rust-backed) tokenizer, read locally (never from a hub).
 
-    Raises ValueError when transformers cannot build a fast tokenizer from the folder.
+    ``light``: the generic ``tokenizer.json`` tokenizer, without the model-specific
+    class ``AutoTokenizer`` picks (whose import pulls torch in: ~330 MB more per
+    process); the emulated engine uses it. Raises ValueError when transformers cannot
+    build a fast tokenizer from the folder.
     """
-    from transformers import AutoTokenizer
+    if light:
+        from transformers import TokenizersBackend as AutoTokenizer
+    else:
+        from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -17,6 +17,11 @@ class EngineConfig:
     ``dtype='auto'`` is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX),
     float32 on other CPUs. On CUDA, decode-only steps replay CUDA graphs captured for
     batch sizes up to ``max_num_seqs`` unless ``enforce_eager``.
+
+    ``emulate``: the name of a step-time profile (``replica/profiles.py``); the engine
+    then runs no model (``replica/emulated.py``): only the checkpoint's config and
+    tokenizer are read, the KV cache defaults to the profile's capacity and the context
+    length to the profile's, and every step takes the profile's time × ``time_scale``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -35,6 +40,8 @@ class EngineConfig:
     seed: int = 0
     hash_seed: int = 0
     replica_id: str = "replica-0"
+    emulate: str | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,5 +66,26 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.emulate is not None:
+            from kvroute.replica.profiles import get_profile
+
+            get_profile(self.emulate)  # ValueError naming the known profiles
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
+        if self.time_scale != 1.0 and self.emulate is None:
+            raise ValueError("time_scale applies to an emulated engine only (set emulate)")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The context length an engine of this config serves: ``max_model_len``, at
+        most the model's own (the profile's when emulated). ValueError past it."""
+        if self.emulate is not None:
+            from kvroute.replica.profiles import get_profile
+
+            native, what = get_profile(self.emulate).max_model_len, "emulated context length"
+        else:
+            native, what = max_position_embeddings, "max_position_embeddings"
+        if self.max_model_len is not None and self.max_model_len > native:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {what}={native}")
+        return self.max_model_len or native

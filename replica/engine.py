@@ -15,8 +15,7 @@ from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.replica.telemetry import ReplicaTelemetry
 from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
 from kvroute.replica.request import Request
-from kvroute.replica.sampler import Sampler, SampleRequest
-from kvroute.replica.sampling_params import SamplingParams
+from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -49,39 +48,30 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        import torch  # noqa: F401  (keeps `import kvroute.replica.engine` honest about torch)
-
-        from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
-        from kvroute.replica.models.arch import ModelArch
         from kvroute.replica.checkpoint import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
+        from kvroute.replica.models.arch import ModelArch
 
         self.config = config
         self.model_path = resolve_model(config.model)
-        self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path))
-        self.tokenizer = load_tokenizer(self.model_path)
+        light = config.emulate is not None  # no model to run: no transformers config classes, no torch
+        self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path, light))
+        self.tokenizer = load_tokenizer(self.model_path, light)
         eos = set(self.arch.eos_token_ids) | set(load_generation_eos(self.model_path))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
-        if config.max_model_len is not None and config.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.arch.max_position_embeddings}"
-            )
-        device = pick_device(config.device)
-        dtype = pick_dtype(config.dtype, device)
+        self.max_model_len = config.context_length(self.arch.max_position_embeddings)
         bs = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
-        )
         self.hash_spec = HashSpec(bs, config.hash_seed, self.model_id)
-        from kvroute.replica.cuda_graphs import default_graph_sizes
+        if config.emulate is not None:
+            from kvroute.replica.emulated import EmulatedModel
+            from kvroute.replica.profiles import get_profile
 
-        graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
-        self.runner = ModelRunner(
-            self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes
-        )
+            profile = get_profile(config.emulate)
+            num_blocks = config.num_kv_blocks or max(1, profile.kv_blocks_per_replica * profile.block_size // bs)
+            self.runner = self.sampler = EmulatedModel(profile, self.arch.vocab_size, self.eos_token_ids, config.time_scale)
+        else:
+            num_blocks = self._load_model(config)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -89,9 +79,26 @@ class Engine:
             ),
             self.kv,
         )
-        self.sampler = Sampler(config.seed)
         self.requests: dict[RequestId, Request] = {}
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
+
+    def _load_model(self, config: EngineConfig) -> int:
+        """The model runner (weights on the device) and the sampler; returns the KV
+        cache's size in blocks."""
+        from kvroute.replica.cuda_graphs import default_graph_sizes
+        from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
+        from kvroute.replica.sampler import Sampler
+
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
+        )
+        graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
+        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes)
+        self.sampler = Sampler(config.seed)
+        return num_blocks
 
     @property
     def model_id(self) -> str:

@@ -27,34 +27,15 @@ logits), as vLLM does by default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from kvroute.replica.outputs import TokenLogprob
-from kvroute.replica.sampling_params import SamplingParams
+from kvroute.replica.sampling_params import SampleRequest, SamplerOutput, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5
-
-
-@dataclass
-class SampleRequest:
-    """One row of the batch: the request's params and its tokens before this step."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class SamplerOutput:
-    """One sampled token per row; ``logprobs[i]`` is None where row i asked for none."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
 
 
 def step_seed(seed: int, step: int) -> int:

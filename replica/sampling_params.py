@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvroute.replica.outputs import TokenLogprob
 
 MAX_LOGPROBS = 20
 
@@ -86,3 +89,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class SampleRequest:
+    """One row of a batch to sample: the request's params and its tokens before this
+    step (what the sampler, or the emulated engine's token source, reads)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row; ``logprobs[i]`` is None where row i asked for none."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]

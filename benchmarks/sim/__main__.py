@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.benchmarks import workloads as W
-from kvroute.benchmarks.sim.cost_model import COST_MODELS, CostModel
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
+from kvroute.replica.profiles import StepProfile, cpu_measured, gpu_h100_llama3_8b
+
+COST_MODELS = {"gpu": gpu_h100_llama3_8b, "cpu": cpu_measured}  # --hardware: the profiles the simulator offers
 
 ALL_POLICIES = [
     "kvroute", "round_robin", "power_of_two", "cache_aware_sglang", "prefix_affinity_ray",
@@ -32,7 +34,7 @@ ALL_POLICIES = [
 B2B_KV_FRACTION = 0.73  # llm-d: the shared prefixes fill ~73% of the fleet's KV cache
 
 
-def kv_blocks_for(workload: W.Workload, cost: CostModel, args: argparse.Namespace) -> int:
+def kv_blocks_for(workload: W.Workload, cost: StepProfile, args: argparse.Namespace) -> int:
     """Per-replica KV capacity in blocks: explicit, or sized so the workload's shared
     prefixes fill ``kv_fraction`` of the fleet, or the hardware's capacity x len_scale."""
     bs = args.block_size
@@ -67,7 +69,7 @@ def parse_workloads(spec: str, args: argparse.Namespace) -> list[tuple[str, argp
     return out
 
 
-def run_workload(name: str, args: argparse.Namespace, cost: CostModel, policies: list[str]) -> dict[str, Any]:
+def run_workload(name: str, args: argparse.Namespace, cost: StepProfile, policies: list[str]) -> dict[str, Any]:
     base = W.make_workload(name, seed=args.seed, scale=args.scale, len_scale=args.len_scale)
     cfg = SimConfig(
         num_replicas=args.replicas,

@@ -2,7 +2,7 @@
 
 A step goes exactly like ``Engine.step``: ``schedule()`` (admission, cache hits,
 allocation, blocks registered in the prefix cache), then the model's time, here
-``cost_model.step_time(...)`` seconds of simulated time, then ``update_after_step``,
+``profile.step_time(...)`` (``replica/profiles.py``) seconds of simulated time, then ``update_after_step``,
 one token appended per sampling row (the spec's planned answer token, or a
 deterministic id), ``finish`` at the output length, and the step's KV events from
 ``kv.take_events()`` with the same load figures (and the same EMA rate estimates) the
@@ -14,7 +14,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from kvroute.benchmarks.sim.cost_model import CostModel
+from kvroute.replica.emulated import step_seconds
+from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.workloads import RequestSpec
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.kv_cache_manager import KVCacheManager
@@ -55,7 +56,7 @@ class SimReplica:
         replica_id: str,
         num_blocks: int,
         hash_spec: HashSpec,
-        cost: CostModel,
+        cost: StepProfile,
         sched_config: SchedulerConfig,
     ) -> None:
         self.replica_id = replica_id
@@ -102,14 +103,7 @@ class SimReplica:
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
-        prefill = decode = ctx = 0
-        for row in sched.rows:
-            if row.num_computed < row.request.num_prompt_tokens:
-                prefill += row.num_new
-            else:
-                decode += 1
-                ctx += row.num_computed + row.num_new
-        self._step_s = self.cost.step_time(prefill, decode, ctx)
+        self._step_s = step_seconds(self.cost, sched)
         self._current = sched
         self.busy = True
         return self._step_s

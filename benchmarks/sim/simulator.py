@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvroute.benchmarks.sim.cost_model import CostModel
+from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
 from kvroute.benchmarks.workloads import RequestSpec, Workload
 from kvroute.replica.block_hash import HashSpec, hash_blocks
@@ -65,7 +65,7 @@ class Simulation:
         self,
         workload: Workload,
         policy: str,
-        cost: CostModel,
+        cost: StepProfile,
         config: SimConfig = SimConfig(),
         router_factory: Callable[..., Any] | None = None,
         **policy_kwargs: Any,
@@ -225,7 +225,7 @@ def ideal_cache(workload: Workload, block_size: int) -> tuple[list[int], int]:
     return out, len(reused)
 
 
-def estimate_capacity(workload: Workload, cost: CostModel, config: SimConfig) -> dict[str, float]:
+def estimate_capacity(workload: Workload, cost: StepProfile, config: SimConfig) -> dict[str, float]:
     """The request rate at which the fleet saturates, from the cost model.
 
     Per request: its ideally-uncached prompt tokens at the prefill rate, plus its output

@@ -1,4 +1,7 @@
-"""How long one engine step takes, from what the step computes.
+"""Step-time profiles: how long one engine step takes on a given card and model shape,
+from what the step computes (stdlib only). The simulator (``benchmarks/sim``) and the
+emulated engine (``EngineConfig(emulate=name)``, ``replica/emulated.py``) both load them
+by name from ``PROFILES``.
 
     step_s = overhead_s
            + prefill_tokens / prefill_tokens_per_s
@@ -38,17 +41,24 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
-class CostModel:
+class StepProfile:
+    """One card and model shape: step-time constants, its KV capacity in blocks of
+    ``block_size`` tokens, the emulated model's context length, and where the numbers
+    come from."""
+
     name: str
     overhead_s: float
     prefill_tokens_per_s: float
     decode_s_per_seq: float
     attn_s_per_ctx_token: float = 0.0
-    kv_blocks_per_replica: int = 0  # the hardware's natural KV capacity (blocks of 16)
+    kv_blocks_per_replica: int = 0  # the hardware's natural KV capacity (blocks of block_size)
     source: str = ""
+    block_size: int = 16
+    max_model_len: int = 131_072
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -68,8 +78,8 @@ class CostModel:
         return asdict(self)
 
 
-def gpu_h100_llama3_8b() -> CostModel:
-    return CostModel(
+def gpu_h100_llama3_8b() -> StepProfile:
+    return StepProfile(
         name="gpu_h100_llama3_8b",
         overhead_s=7.46e-3,
         prefill_tokens_per_s=38_700.0,
@@ -80,7 +90,7 @@ def gpu_h100_llama3_8b() -> CostModel:
     )
 
 
-def cpu_measured(path: str | Path = "results/offline.json") -> CostModel:
+def cpu_measured(path: str | Path = "results/offline.json") -> StepProfile:
     prefill, overhead, per_seq, src = 604.7, 0.02, 6.1e-3, "defaults (offline.json of 2026-11-22)"
     p = Path(path)
     if p.exists():
@@ -94,7 +104,17 @@ def cpu_measured(path: str | Path = "results/offline.json") -> CostModel:
             src = f"measured: {p}"
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             pass
-    return CostModel("cpu_measured", overhead, prefill, per_seq, 0.0, kv_blocks_per_replica=2048, source=src)
+    return StepProfile(
+        "cpu_measured", overhead, prefill, per_seq, 0.0, kv_blocks_per_replica=2048, source=src, max_model_len=8192
+    )
 
 
-COST_MODELS = {"gpu": gpu_h100_llama3_8b, "cpu": cpu_measured}
+PROFILES: dict[str, Callable[[], StepProfile]] = {"gpu_h100_llama3_8b": gpu_h100_llama3_8b, "cpu_measured": cpu_measured}
+
+
+def get_profile(name: str) -> StepProfile:
+    """The profile called ``name`` (ValueError naming the known ones)."""
+    make = PROFILES.get(name)
+    if make is None:
+        raise ValueError(f"unknown emulation profile {name!r}; known: {sorted(PROFILES)}")
+    return make()

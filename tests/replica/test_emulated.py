@@ -1,0 +1,118 @@
+"""The emulated engine (``EngineConfig(emulate=PROFILE)``): the real scheduler and KV
+cache, no model, steps timed by a profile, deterministic tokens, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvroute.replica.config import EngineConfig
+from kvroute.replica.emulated import EmulatedModel, step_seconds
+from kvroute.replica.engine import Engine
+from kvroute.replica.profiles import PROFILES, StepProfile, get_profile
+from kvroute.replica.sampling_params import SamplingParams
+
+PROFILE = "gpu_h100_llama3_8b"
+
+
+def emulated(tiny_llama_path, **kw) -> Engine:
+    kw.setdefault("num_kv_blocks", 64)
+    return Engine(EngineConfig(model=str(tiny_llama_path), block_size=8, emulate=PROFILE, **kw))
+
+
+def run(engine: Engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for d in engine.step().deltas:
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    return out
+
+
+def test_an_emulated_engine_imports_no_torch(tiny_llama_path):
+    code = (
+        "import sys\n"
+        "from kvroute.replica.config import EngineConfig\n"
+        "from kvroute.replica.engine import Engine\n"
+        "from kvroute.replica.sampling_params import SamplingParams\n"
+        f"e = Engine(EngineConfig(model={str(tiny_llama_path)!r}, block_size=8, num_kv_blocks=32, emulate={PROFILE!r}))\n"
+        "e.add_request('a', [5, 6, 7, 8, 9], SamplingParams(max_tokens=4))\n"
+        "while e.has_unfinished(): e.step()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_real_scheduler_and_cache_with_deterministic_tokens(tiny_llama_path):
+    engine = emulated(tiny_llama_path)
+    prompt = list(range(100, 140))  # 5 full blocks of 8
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12))
+    first = run(engine)["a"]
+    assert len(first) == 12  # never an EOS: runs to max_tokens
+    assert not set(first) & engine.eos_token_ids and min(first) >= 1000
+    assert engine.kv.num_blocks == 64
+    engine.add_request("b", prompt, SamplingParams(max_tokens=12))
+    out = run(engine)
+    assert out["b"] == first  # the same tokens for the same sequence
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 5 * 8 - 8 or stats.prefix_cache_hits >= 4 * 8  # the prompt's blocks came from the cache
+    assert stats.num_running == 0 and all(c == 0 for c in stats.block_ref_counts)  # nothing leaked
+    other = emulated(tiny_llama_path)
+    other.add_request("c", prompt, SamplingParams(max_tokens=12))
+    assert run(other)["c"] == first  # and on another engine (a replica the request resumes on)
+
+
+def test_a_resumed_request_continues_as_if_uninterrupted(tiny_llama_path):
+    engine = emulated(tiny_llama_path)
+    prompt = list(range(200, 230))
+    engine.add_request("whole", prompt, SamplingParams(max_tokens=10))
+    whole = run(engine)["whole"]
+    engine.add_request("rest", prompt, SamplingParams(max_tokens=10), resume_output=whole[:4])
+    assert run(engine)["rest"] == whole[4:]
+
+
+def test_step_time_follows_the_profile_and_the_time_scale(tiny_llama_path):
+    profile = get_profile(PROFILE)
+    slept: list[float] = []
+    t = [0.0]
+    model = EmulatedModel(profile, 50_000, time_scale=4.0, clock=lambda: t[0], sleep=slept.append)
+    engine = emulated(tiny_llama_path)
+    engine.runner = engine.sampler = model
+    engine.add_request("a", list(range(300, 364)), SamplingParams(max_tokens=3))  # 64 prompt tokens
+    engine.step()  # the prefill: 64 tokens
+    assert slept == [pytest.approx(4.0 * profile.step_time(64, 0, 0))]
+    engine.step()  # a decode step: one row reading 65 tokens of context
+    assert slept[-1] == pytest.approx(4.0 * profile.step_time(0, 1, 65))
+    sched = engine.scheduler.schedule()
+    assert step_seconds(profile, sched) == pytest.approx(profile.step_time(0, 1, 66))
+    assert model.emulated_s == pytest.approx(profile.step_time(64, 0, 0) + profile.step_time(0, 1, 65))
+
+
+def test_a_real_step_takes_the_scaled_time(tiny_llama_path):
+    engine = emulated(tiny_llama_path, time_scale=3.0)
+    engine.add_request("a", list(range(400, 480)), SamplingParams(max_tokens=2))
+    start = time.perf_counter()
+    run(engine)
+    took = time.perf_counter() - start
+    assert took >= 3.0 * engine.runner.emulated_s * 0.95
+
+
+def test_the_profile_sets_capacity_and_context_and_bad_names_are_refused(tiny_llama_path):
+    engine = emulated(tiny_llama_path, num_kv_blocks=None)
+    profile = get_profile(PROFILE)
+    assert engine.kv.num_blocks == profile.kv_blocks_per_replica * 16 // 8  # the profile's KV, in blocks of 8
+    assert engine.max_model_len == profile.max_model_len
+    with pytest.raises(ValueError, match="unknown emulation profile 'h100'.*gpu_h100_llama3_8b"):
+        EngineConfig(emulate="h100")
+    with pytest.raises(ValueError, match="time_scale applies to an emulated engine only"):
+        EngineConfig(time_scale=2.0)
+    with pytest.raises(ValueError, match="time_scale must be > 0"):
+        EngineConfig(emulate=PROFILE, time_scale=0)
+    with pytest.raises(ValueError, match="emulated context length=131072"):
+        emulated(tiny_llama_path, max_model_len=200_000)
+    assert set(PROFILES) >= {PROFILE, "cpu_measured"}
+    assert isinstance(profile, StepProfile) and profile.source
