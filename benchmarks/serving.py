@@ -279,6 +279,8 @@ def build_payload(
         payload["prompt"] = decode(spec.prompt_token_ids)
     else:
         payload["prompt"] = list(spec.prompt_token_ids)
+    if spec.cache_salt is not None:
+        payload["cache_salt"] = spec.cache_salt  # vLLM's field: the tenant's own KV
     return payload
 
 

@@ -60,6 +60,8 @@ class RequestSpec:
     request whose completion releases this one, ``think_time_s`` after it; then
     ``arrival_s`` is only a lower bound. ``output_token_ids`` (optional) are the tokens
     a simulator should "generate" so later turns find their history cached.
+    ``cache_salt``: the tenant's salt, sent as the request's ``cache_salt`` (blocks of
+    different salts never share KV, however equal their tokens).
     """
 
     request_id: str
@@ -72,6 +74,7 @@ class RequestSpec:
     after: str | None = None
     think_time_s: float = 0.0
     output_token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -216,6 +219,39 @@ def zipf_groups(
     return _grouped("zipf", group_of, g, sl, ql, ol, seed, vocab_size, params)
 
 
+def multi_tenant(
+    num_tenants: int = 32,
+    num_system_prompts: int = 4,
+    requests_per_tenant: int = 32,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    len_scale: float = 1.0,
+    vocab_size: int = DEFAULT_VOCAB,
+) -> Workload:
+    """Tenants over a few shared system prompts, each tenant with its own ``cache_salt``:
+    tenant ``t`` uses system prompt ``t % num_system_prompts``, so equal text is shared
+    by several tenants whose KV can never be shared. A router matching on text sees
+    ``num_system_prompts`` groups; the caches hold ``num_tenants``. Order shuffled.
+    ``scale`` multiplies the tenants."""
+    t, k = scaled(num_tenants, scale), min(num_system_prompts, scaled(num_tenants, scale))
+    sl, ql, ol = (scaled(x, len_scale) for x in (system_prompt_len, question_len, output_len))
+    rng = np.random.default_rng(seed + 3)
+    systems = [_tokens(rng, sl, vocab_size) for _ in range(k)]
+    order = rng.permutation(t * requests_per_tenant)
+    reqs = []
+    for i, j in enumerate(order.tolist()):
+        tenant = j // requests_per_tenant
+        prompt = systems[tenant % k] + _tokens(rng, ql, vocab_size)
+        reqs.append(RequestSpec(f"multi-tenant-{i}", prompt, ol, group_id=tenant, cache_salt=f"tenant-{tenant}"))
+    params = dict(num_tenants=t, num_system_prompts=k, requests_per_tenant=requests_per_tenant,
+                  system_prompt_len=sl, question_len=ql, output_len=ol, seed=seed)  # fmt: skip
+    return Workload("multi-tenant", reqs, params, shared_prefix_tokens=sl, num_groups=t)
+
+
 def multi_turn(
     num_conversations: int = 24,
     num_turns_min: int = 12,
@@ -347,6 +383,7 @@ WORKLOADS = {
     "low-hit": low_hit,
     "b2b": b2b,
     "zipf": zipf_groups,
+    "multi-tenant": multi_tenant,
     "multi-turn": multi_turn,
     "long-document-qa": long_document_qa,
 }

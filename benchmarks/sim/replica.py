@@ -75,7 +75,9 @@ class SimReplica:
     # ------------------------------------------------------------------ requests
     def make_request(self, spec: RequestSpec, block_hashes: list[BlockHash], now: float) -> Request:
         params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
-        req = Request(RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, arrival_time=now)
+        req = Request(
+            RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, spec.cache_salt, arrival_time=now
+        )
         req.block_hashes = list(block_hashes)  # memoized: the router already hashed the prompt
         return req
 

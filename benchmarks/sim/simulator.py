@@ -121,7 +121,7 @@ class Simulation:
         return self.metrics()
 
     def _arrive(self, spec: RequestSpec) -> None:
-        hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids)
+        hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt)
         decision = self.router.route(hashes, spec.num_prompt_tokens)
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
@@ -211,7 +211,7 @@ def ideal_cache(workload: Workload, block_size: int) -> tuple[list[int], int]:
     reused: set[int] = set()
     out: list[int] = []
     for r in workload.requests:
-        hashes = hash_blocks(spec, r.prompt_token_ids)
+        hashes = hash_blocks(spec, r.prompt_token_ids, r.cache_salt)
         hit = 0
         for h in hashes[: (r.num_prompt_tokens - 1) // block_size]:
             if h not in seen:
@@ -221,7 +221,7 @@ def ideal_cache(workload: Workload, block_size: int) -> tuple[list[int], int]:
         out.append(r.num_prompt_tokens - hit * block_size)
         seen.update(hashes)
         if r.output_token_ids is not None:
-            seen.update(hash_blocks(spec, tuple(r.prompt_token_ids) + tuple(r.output_token_ids)))
+            seen.update(hash_blocks(spec, tuple(r.prompt_token_ids) + tuple(r.output_token_ids), r.cache_salt))
     return out, len(reused)
 
 
