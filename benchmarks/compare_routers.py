@@ -16,6 +16,12 @@ kvroute's request router was active), the router actor's directory is emptied an
 Ray's prefix-tree actor is killed, so every router starts cold. The JSON records the
 replica ids seen in every run: they must be the same set.
 
+Each kind of fleet is a ``Fleet`` (``ServeFleet``, ``ExternalFleet``): ``start(router)``
+serves that router from cold caches and gives its base URL; one loop runs every router
+at every rate. With ``--emulate PROFILE [--time-scale K]`` the replicas are emulated
+(``replica/emulated.py``: real scheduler and KV cache, the profile's step times × K)
+and every reported time is in unscaled seconds.
+
 Outputs (``--out-dir``, default ``results/compare_routers/<workload>``): one JSON per
 router and rate, ``combined.json`` (table rows + target ratios), ``table.md`` and PNG
 plots (``ttft_cdf.png``, ``hit_rate.png``, ``ttft_vs_rate.png``).
@@ -38,9 +44,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from kvroute.benchmarks import serving
+from kvroute.benchmarks.router_report import format_rows, write_outputs
 from kvroute.cluster.config import ROUTER_CHOICES
 from kvroute.benchmarks import workloads as wl
 
@@ -58,10 +66,40 @@ def external_available(name: str) -> bool:
     return name in EXTERNAL_ROUTERS and importlib.util.find_spec(name) is not None
 
 
+def wait_until(probe: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
+    """``probe()``'s first truthy value, polled every ``interval_s``; TimeoutError
+    naming ``what`` after ``timeout_s``. A probe raises to give up early."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+class Fleet(Protocol):
+    """Engine replicas behind one router at a time."""
+
+    kind: str
+
+    def start(self, router: str) -> dict[str, Any]:
+        """Serve ``router`` with every cache cold; the run's metadata, with ``base_url``."""
+
+    def counters(self) -> Optional[dict[str, dict[str, float]]]:
+        """Per replica, cumulative requests and prompt/cached/output tokens (None: not
+        available), so a run's difference shows how the router spread the load."""
+
+    def close(self) -> None: ...
+
+
 # ---------------------------------------------------------------------- Serve fleet
 class ServeFleet:
     """One kvroute Serve application whose router is swapped between runs while the
     engine replicas stay up."""
+
+    kind = "serve"
 
     def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         self.args = args
@@ -93,25 +131,17 @@ class ServeFleet:
         })
 
     def build(self, router: str) -> Any:
-        """``deploy.app.build_app`` with the engine deployment's version pinned."""
-        from ray import serve
-
-        from kvroute.cluster.replica_deployment import build_engine_deployment, replica_version
-        from kvroute.deploy.app import OpenAIIngress
+        """``deploy.app.build_app`` with the engine deployment's version pinned, so a
+        router swap only reconfigures the replicas."""
+        from kvroute.cluster.replica_deployment import replica_version
+        from kvroute.deploy.app import build_app
 
         parsed = self.app_args(router)
-        config = parsed.cluster_config()
-        engines = build_engine_deployment(config, version=replica_version(config))
-        ingress = serve.deployment(OpenAIIngress).options(
-            name="OpenAIIngress",
-            num_replicas=parsed.ingress.num_replicas,
-            max_ongoing_requests=parsed.ingress.max_ongoing_requests,
-            ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
-            # between runs the old ingress is idle: no need to wait out Serve's drain loop
-            graceful_shutdown_wait_loop_s=0.2,
-            graceful_shutdown_timeout_s=5.0,
-        )
-        return ingress.bind(parsed.model_dump(), config, engines), config
+        config = parsed.cluster_config()  # hash_seed is set: the same config build_app makes
+        # between runs the old ingress is idle: no need to wait out Serve's drain loop
+        app = build_app(parsed, engine_version=replica_version(config), graceful_shutdown_wait_loop_s=0.2,
+                        graceful_shutdown_timeout_s=5.0)  # fmt: skip
+        return app, config
 
     def deploy(self, router: str) -> None:
         from ray import serve
@@ -140,16 +170,13 @@ class ServeFleet:
         return sorted(ray.get(self.router_actor().replicas.remote()))
 
     def wait_registered(self, n: int, timeout_s: float = 120.0) -> list[str]:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def probe() -> Optional[list[str]]:
             ids = self.registered()
-            if len(ids) >= n:
-                return ids
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(ids)} of {n} replicas registered with the router after {timeout_s} s")
-            time.sleep(0.2)
+            return ids if len(ids) >= n else None
 
-    def prepare(self, router: str) -> dict[str, Any]:
+        return wait_until(probe, timeout_s, f"{n} replicas did not all register with the router", 0.2)
+
+    def start(self, router: str) -> dict[str, Any]:
         """Deploy ``router`` and make every replica and router state cold."""
         import ray
 
@@ -194,8 +221,11 @@ class ServeFleet:
         t_reset = time.perf_counter() - t0 - t_deploy
         warm_up(self.base_url, self.args.replicas)
         time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
-        return {"replica_ids": list(self.replica_ids), "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy,
-                "reset_s": t_reset}
+        return {"fleet": self.kind, "base_url": self.base_url, "replica_ids": list(self.replica_ids),
+                "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return wait_counters(self.base_url, self.replica_ids)
 
     def _kill_prefix_tree_actor(self) -> None:
         import ray
@@ -224,20 +254,16 @@ def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
     its handle are up before the clock starts."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    sent = 0
-    while sent < n:
+    def answered() -> bool:
         try:
             r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi",
                                                                "max_tokens": 1, "temperature": 0}, timeout=60)
-            if r.status_code == 200:
-                sent += 1
-                continue
+            return r.status_code == 200
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{base_url} did not answer a warm-up request within {timeout_s} s")
-        time.sleep(0.5)
+            return False
+
+    for _ in range(n):
+        wait_until(answered, timeout_s, f"{base_url} did not answer a warm-up request")
 
 
 _COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_tokens",
@@ -264,13 +290,19 @@ def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
 
 
 def wait_counters(base_url: str, replica_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
-    """The counters once every replica has reported (about once a second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counters = replica_counters(base_url)
-        if set(replica_ids) <= set(counters) or time.monotonic() > deadline:
-            return counters
-        time.sleep(0.5)
+    """The counters once every replica has reported (about once a second); what there
+    is after ``timeout_s`` otherwise."""
+    last: dict[str, dict[str, float]] = {}
+
+    def probe() -> Optional[dict[str, dict[str, float]]]:
+        nonlocal last
+        last = replica_counters(base_url)
+        return last if set(replica_ids) <= set(last) else None
+
+    try:
+        return wait_until(probe, timeout_s, "replica counters")
+    except TimeoutError:
+        return last
 
 
 def per_replica(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -289,138 +321,71 @@ def _free_port() -> int:
 def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    def up() -> bool:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args[:4]} exited with {p.returncode} before {url} answered")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer within {timeout_s} s")
-        time.sleep(0.5)
-
-
-def start_external(args: argparse.Namespace, engine_kwargs: dict[str, Any], router: str) -> tuple[str, list[subprocess.Popen]]:
-    """Start ``--replicas`` single-engine servers and ``router`` in front of them; returns
-    the router's base URL and the processes (stop them with :func:`stop_procs`)."""
-    module = EXTERNAL_ROUTERS[router]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
-    flags = ["--model", args.model, "--served-model-name", SERVED_NAME, "--block-size", str(engine_kwargs.get("block_size", 16))]
-    for key in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed"):
-        if engine_kwargs.get(key) is not None:
-            flags += [f"--{key.replace('_', '-')}", str(engine_kwargs[key])]
-    procs: list[subprocess.Popen] = []
-    urls = []
-    try:
-        for i in range(args.replicas):
-            port = _free_port()
-            urls.append(f"http://127.0.0.1:{port}")
-            procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags,
-                                           "--replica-id", f"ext-{i}", "--port", str(port)], env=env))
-        for url in urls:
-            _wait_http(url + "/health", procs, 300)
-        port = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1",
-                                       "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(base + "/v1/models", procs, 120)
-        warm_up(base, args.replicas)
-        return base, procs
-    except BaseException:
-        stop_procs(procs)
-        raise
-
-
-def stop_procs(procs: Sequence[subprocess.Popen]) -> None:
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.terminate()
-    for p in reversed(procs):
         try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
+            return httpx.get(url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout_s, f"{url} did not answer")
 
 
-# ---------------------------------------------------------------------- results
-def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for key, r in results.items():
-        rows.append({
-            "run": key, "router": r["router"], "rate": r["request_rate"], "completed": r["completed"], "failed": r["failed"],
-            "hit_rate": r["prefix_cache_hit_rate"], "best_hit_rate": r["best_prefix_cache_hit_rate"],
-            "req_s": r["request_throughput"], "out_tok_s": r["output_throughput"],
-            "ttft_median_ms": r["median_ttft_ms"], "ttft_p90_ms": r.get("p90_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
-            "tpot_median_ms": r["median_tpot_ms"], "e2el_median_ms": r["median_e2el_ms"],
-        })
-    return rows
+class ExternalFleet:
+    """``--replicas`` single-engine servers (``kvroute serve-replica``) with SGLang's or
+    vLLM's router in front, started afresh for every run (cold caches)."""
 
+    kind = "serve-replica processes"
+    _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale")
 
-def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    cols = [("router", "router", "{}"), ("rate", "rate", "{}"), ("ok", "completed", "{}"), ("err", "failed", "{}"),
-            ("hit", "hit_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
-            ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
-            ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
-    head = "| " + " | ".join(c[0] for c in cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    body = []
-    for r in rows:
-        cells = []
-        for _, key, fmt in cols:
-            v = r.get(key)
-            cells.append("n/a" if v is None else fmt.format(v))
-        body.append("| " + " | ".join(cells) + " |")
-    return "\n".join([head, sep, *body])
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        self.procs: list[subprocess.Popen] = []
 
+    def start(self, router: str) -> dict[str, Any]:
+        self.close()
+        kw = self.engine_kwargs
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.args.torch_threads)}
+        flags = ["--model", self.args.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
+        for key in self._FORWARDED:
+            if kw.get(key) is not None:
+                flags += [f"--{key.replace('_', '-')}", str(kw[key])]
+        try:
+            urls = []
+            for i in range(self.args.replicas):
+                port = _free_port()
+                urls.append(f"http://127.0.0.1:{port}")
+                self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags,
+                                                    "--replica-id", f"ext-{i}", "--port", str(port)], env=env))
+            for url in urls:
+                _wait_http(url + "/health", self.procs, 300)
+            port = _free_port()
+            self.procs.append(subprocess.Popen([sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1",
+                                                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
+            base = f"http://127.0.0.1:{port}"
+            _wait_http(base + "/v1/models", self.procs, 120)
+            warm_up(base, self.args.replicas)
+        except BaseException:
+            self.close()
+            raise
+        return {"fleet": self.kind, "base_url": base, "worker_urls": urls}
 
-def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, Any]:
-    """At one rate: kvroute's hit rate vs the best possible, its p90 TTFT vs the best of
-    the others, and its p90 TTFT / throughput vs power of two."""
-    at = {r["router"]: r for r in results.values() if r["request_rate"] == rate}
-    k = at.get("kvroute")
-    if k is None:
-        return {}
-    out: dict[str, Any] = {"rate": rate}
-    if k["prefix_cache_hit_rate"] is not None and k["best_prefix_cache_hit_rate"]:
-        out["kvroute_hit_over_best"] = k["prefix_cache_hit_rate"] / k["best_prefix_cache_hit_rate"]
-    others = {n: r for n, r in at.items() if n != "kvroute" and r["completed"]}
-    if others:
-        best_name = min(others, key=lambda n: others[n]["p90_ttft_ms"])
-        out["best_other_router"] = best_name
-        out["kvroute_p90_ttft_over_best_other"] = k["p90_ttft_ms"] / max(others[best_name]["p90_ttft_ms"], 1e-9)
-    p2 = at.get("power_of_two")
-    if p2 is not None and p2["completed"]:
-        out["kvroute_p90_ttft_over_power_of_two"] = k["p90_ttft_ms"] / max(p2["p90_ttft_ms"], 1e-9)
-        out["kvroute_throughput_over_power_of_two"] = k["request_throughput"] / max(p2["request_throughput"], 1e-9)
-    out["errors"] = sum(r["failed"] for r in at.values())
-    return out
+    def counters(self) -> None:
+        return None
 
-
-def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    from kvroute.benchmarks import serving_plots as plots
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for key, r in results.items():
-        serving.write_json(r, out_dir / f"{key}.json")
-    rows = table_rows(results)
-    rates = sorted({r["request_rate"] for r in results.values()}, key=lambda x: math.inf if x == "inf" else float(x))
-    targets = [target_ratios(results, rate) for rate in rates]
-    table = format_rows(rows)
-    (out_dir / "table.md").write_text(table + "\n")
-    top = rates[-1]
-    plots.ttft_cdf({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "ttft_cdf.png")
-    plots.hit_rates({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "hit_rate.png")
-    by_router: dict[str, list[dict[str, Any]]] = {}
-    for r in results.values():
-        by_router.setdefault(r["router"], []).append(r)
-    plots.ttft_vs_rate(by_router, out_dir / "ttft_vs_rate.png")
-    combined = {"benchmark": "compare_routers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "rows": rows, "targets": targets}
-    (out_dir / "combined.json").write_text(json.dumps(combined, indent=1))
-    return combined
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
 
 
 # ---------------------------------------------------------------------- main
@@ -433,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--max-ongoing-requests", type=int, default=64)
     p.add_argument("--engine-kwargs", default='{"block_size": 16}', help="EngineConfig fields as JSON (every router's engines)")
+    p.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="emulated replicas with this step-time profile (replica/profiles.py); see --time-scale")
     p.add_argument("--routers", default=None,
                    help=f"comma list of {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)} (default: the four Serve routers, plus "
                         "sglang_router / vllm_router where the sglang-router / vllm-router package is installed)")
@@ -448,84 +415,95 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-    from ray import serve
-
-    workload = serving.workload_from_args(args)
-    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
-        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
-    config = serving.load_config_from_args(args)
+def _settings(args: argparse.Namespace, routers: list[str]) -> tuple[dict[str, Any], serving.LoadConfig]:
+    """The engines' settings (one hash seed for every redeploy; emulation) and the load."""
     engine_kwargs = dict(json.loads(args.engine_kwargs))
-    engine_kwargs.setdefault("hash_seed", secrets.randbits(63))  # one seed for every redeploy
-    config = serving.LoadConfig(**{**config.__dict__, "block_size": int(engine_kwargs.get("block_size", 16))})
+    engine_kwargs.setdefault("hash_seed", secrets.randbits(63))
+    if args.emulate:
+        engine_kwargs["emulate"] = args.emulate
+    if args.time_scale != 1.0:
+        engine_kwargs.setdefault("time_scale", args.time_scale)
+    if engine_kwargs.get("time_scale", 1.0) != args.time_scale:
+        raise ValueError(f"--time-scale {args.time_scale} and engine_kwargs time_scale {engine_kwargs['time_scale']} differ")
+    config = dataclasses.replace(serving.load_config_from_args(args), block_size=int(engine_kwargs.get("block_size", 16)))
     if any(r in EXTERNAL_ROUTERS for r in routers) and config.prompt_format == "tokens":
         # sglang-router and vllm-router take text prompts only (their OpenAI schema has no token-id
         # prompt): every router gets the same decoded text, so the runs stay comparable
         print("compare_routers: an external router is in the run: sending text prompts to every router", flush=True)
-        config = serving.LoadConfig(**{**config.__dict__, "prompt_format": "text"})
-    decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
+        config = dataclasses.replace(config, prompt_format="text")
+    return engine_kwargs, config
 
+
+def _routers(args: argparse.Namespace) -> list[str]:
+    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
+        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
     unknown = [r for r in routers if r not in SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)]
     if unknown:
         raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)}")
     missing = [r for r in routers if r in EXTERNAL_ROUTERS and not external_available(r)]
     if missing:
         raise ValueError(f"{missing} not installed (pip install {' '.join(r.replace('_', '-') for r in missing)})")
-    rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
-    label = args.label or workload.name
-    out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
+    return routers
 
-    serve_routers = [r for r in routers if r in SERVE_ROUTERS]
+
+def _join_ray(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized() or not serve_routers:
-        pass  # a caller (a test, a notebook) already joined a cluster, or no Serve run
+    if ray.is_initialized():
+        pass  # a caller (a test, a notebook) already joined a cluster
     elif address:
         ray.init(address=address, logging_level="warning")
     else:  # logical CPUs: room for every replica and the ingress even on a small machine
         need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 2))
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
-    if serve_routers:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
-    fleet = ServeFleet(args, engine_kwargs)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    workload = serving.workload_from_args(args)
+    routers = _routers(args)
+    engine_kwargs, config = _settings(args, routers)
+    decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
+    rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
+    label = args.label or workload.name
+    out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
+
+    serve_fleet, external_fleet = ServeFleet(args, engine_kwargs), ExternalFleet(args, engine_kwargs)
+    fleets: dict[str, Fleet] = {r: serve_fleet if r in SERVE_ROUTERS else external_fleet for r in routers}
+    if any(f is serve_fleet for f in fleets.values()):
+        _join_ray(args)
+        if routers[0] != "kvroute":
+            serve_fleet.start("kvroute")  # the control handle must be built under kvroute's request router
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     try:
-        if serve_routers and serve_routers[0] != "kvroute":
-            fleet.prepare("kvroute")  # the control handle must be built under kvroute's request router
         for rate in rates:
-            rate_cfg = serving.LoadConfig(**{**config.__dict__, "request_rate": rate})
-            for router in serve_routers:
-                info = fleet.prepare(router)
+            for router in routers:
+                fleet = fleets[router]
+                info = fleet.start(router)
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
-                before = wait_counters(fleet.base_url, fleet.replica_ids)
-                r = asyncio.run(serving.benchmark(fleet.base_url, workload, rate_cfg, SERVED_NAME, decode))
-                time.sleep(1.5)  # the replicas' last metrics report
-                spread = per_replica(before, wait_counters(fleet.base_url, fleet.replica_ids))
-                results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve", **info, "per_replica": spread, **r}
-                print(f"  per replica (requests, prompt, cached): "
-                      + "; ".join(f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
-                                  for rid, c in spread.items()), flush=True)
+                before = fleet.counters()
+                r = asyncio.run(serving.benchmark(info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
+                                                  SERVED_NAME, decode))  # fmt: skip
+                run_info = {"router": router, **info}
+                if before is not None:
+                    time.sleep(1.5)  # the replicas' last metrics report
+                    run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
+                    print("  per replica (requests, prompt, cached): " + "; ".join(
+                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
+                        for rid, c in spread.items()), flush=True)  # fmt: skip
+                results[f"{router}_rate{rate:g}"] = {**run_info, **r}
                 print(f"  {router}: {serving.summary_line(r)}", flush=True)
     finally:
-        if serve_routers:
-            fleet.close()
-    for router in (r for r in routers if r in EXTERNAL_ROUTERS):
-        for rate in rates:
-            rate_cfg = serving.LoadConfig(**{**config.__dict__, "request_rate": rate})
-            base, procs = start_external(args, engine_kwargs, router)
-            try:
-                print(f"compare_routers: {router} at {rate} req/s…", flush=True)
-                r = asyncio.run(serving.benchmark(base, workload, rate_cfg, SERVED_NAME, decode))
-            finally:
-                stop_procs(procs)
-            results[f"{router}_rate{rate:g}"] = {"router": router, "fleet": "serve-replica processes", **r}
-            print(f"  {router}: {serving.summary_line(r)}", flush=True)
+        for fleet in {id(f): f for f in fleets.values()}.values():
+            fleet.close()  # (one external router at a time: each start() stops the one before)
     meta = {
         "label": label, "workload": workload.name, "workload_params": workload.params, "model": args.model,
         "replicas": args.replicas, "torch_threads": args.torch_threads, "engine_kwargs": engine_kwargs,
         "routers": routers, "request_rates": rates, "max_concurrency": config.max_concurrency,
-        "same_replicas_for_every_serve_router": bool(fleet.replica_ids), "replica_ids": fleet.replica_ids,
+        "same_replicas_for_every_serve_router": bool(serve_fleet.replica_ids), "replica_ids": serve_fleet.replica_ids,
         "wall_s": time.perf_counter() - t_start,
     }
     from kvroute.benchmarks.common import machine

@@ -51,7 +51,10 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 @dataclass(frozen=True)
 class LoadConfig:
     """How the load is offered. ``request_rate`` = inf sends everything at once (only
-    ``max_concurrency`` holds it back)."""
+    ``max_concurrency`` holds it back). ``time_scale``: the server is emulated with its
+    durations stretched by this factor (``--emulate --time-scale``): arrivals and think
+    times are stretched alike, and every reported time and rate is converted back to
+    unscaled seconds (``request_rate`` stays the unscaled rate)."""
 
     endpoint: str = "/v1/completions"
     request_rate: float = math.inf
@@ -67,12 +70,15 @@ class LoadConfig:
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     block_size: int = 16
     progress: bool = True
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("/v1/completions", "/v1/chat/completions"):
             raise ValueError(f"endpoint must be /v1/completions or /v1/chat/completions, got {self.endpoint!r}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.arrival not in ("poisson", "fixed"):
             raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -107,6 +113,17 @@ class RequestOutcome:
         if not self.success or self.ttft_s is None or self.e2el_s is None or self.output_tokens < 2:
             return None
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def unscaled(o: RequestOutcome, k: float) -> RequestOutcome:
+    """``o`` measured against a server emulated ``k`` times slower, in its own seconds."""
+    return replace(
+        o,
+        start_s=o.start_s / k,
+        ttft_s=None if o.ttft_s is None else o.ttft_s / k,
+        itl_s=[x / k for x in o.itl_s],
+        e2el_s=None if o.e2el_s is None else o.e2el_s / k,
+    )
 
 
 # ---------------------------------------------------------------------- arrivals
@@ -318,7 +335,7 @@ async def run_load(
                 if spec.after is not None and spec.after in done:
                     await done[spec.after].wait()
                     if spec.think_time_s > 0:
-                        await asyncio.sleep(spec.think_time_s)
+                        await asyncio.sleep(spec.think_time_s * config.time_scale)
                 payload = build_payload(spec, model, config, by_id, decode)
                 if sem is None:
                     await send_request(client, url, payload, outcomes[i], t0, config)
@@ -446,8 +463,12 @@ async def benchmark(
     the parameters)."""
     if model is None:
         model = await first_model(base_url, config.api_key)
+    k = config.time_scale
     stamped = with_arrivals(workload, config.request_rate, config.arrival, config.seed)
-    outcomes, duration = await run_load(base_url, model, stamped, config, decode)
+    sent = with_arrivals(workload, config.request_rate / k, config.arrival, config.seed) if k != 1.0 else stamped
+    outcomes, duration = await run_load(base_url, model, sent, config, decode)
+    if k != 1.0:
+        outcomes, duration = [unscaled(o, k) for o in outcomes], duration / k
     result = summarize(outcomes, duration, config.percentiles)
     result["best_prefix_cache_hit_rate"] = best_prefix_cache_hit_rate(stamped, config.block_size)
     load = {k: v for k, v in asdict(config).items() if k not in ("api_key", "progress")}
@@ -531,6 +552,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metric-percentiles", default="90,99")
     g.add_argument("--block-size", type=int, default=16, help="the server's KV block size (for the best possible hit rate)")
     g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="the server is emulated K times slower (kvroute --emulate --time-scale K): send K times slower "
+                        "and report unscaled times")
 
 
 def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -550,6 +574,7 @@ def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
         percentiles=tuple(float(x) for x in args.metric_percentiles.split(",") if x.strip()),
         block_size=args.block_size,
         progress=not args.disable_tqdm,
+        time_scale=args.time_scale,
     )
 
 

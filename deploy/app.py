@@ -253,17 +253,24 @@ class OpenAIIngress:
         return body, CONTENT_TYPE
 
 
-def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
-    """Serve application builder (``import_path: kvroute.deploy.app:build_app``)."""
+def build_app(
+    args: Union[dict[str, Any], AppArgs], *, engine_version: Optional[str] = None, **ingress_options: Any
+) -> serve.Application:
+    """Serve application builder (``import_path: kvroute.deploy.app:build_app``).
+
+    For programs that redeploy one application: ``engine_version`` pins the engine
+    deployment's Serve version (``replica_version``: a router swap then keeps the
+    replicas), and ``ingress_options`` go to the ingress deployment's ``.options``."""
     parsed = parse_args(args).model_copy(deep=True)
     if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
         parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
     config = parsed.cluster_config()
-    engines = build_engine_deployment(config)
+    engines = build_engine_deployment(config, version=engine_version)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
+        **ingress_options,
     )
     return ingress.bind(parsed.model_dump(), config, engines)

@@ -1,0 +1,227 @@
+"""Routers at fleet scale on emulated replicas: a scenario matrix.
+
+    python -m kvroute.benchmarks.fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
+        [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,multi-turn]
+        [--loads 0.6,0.85,0.95,1.2] [--routers kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router]
+        [--scale 1.0] [--out-dir results/fleet_matrix]
+    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.fleet_matrix ...)
+
+Every router gets the same fleet shape (``--replicas`` replicas emulating ``--profile``:
+the real scheduler and KV cache, the profile's step times × ``--time-scale``; see
+``replica/emulated.py``), cold caches and the same trace (fixed seed, Poisson arrivals)
+at each load, a fraction of the scenario's capacity as the simulator estimates it for
+that fleet. Serve routers run on one Serve application (``compare_routers.ServeFleet``),
+sglang-router and vllm-router in front of ``kvroute serve-replica --emulate`` processes
+(``ExternalFleet``). Next to each measured run stands the simulator's prediction for the
+same scenario, rate and fleet (the peer routers by their re-implementations in
+``router/policies``). Times are unscaled seconds.
+
+Scenarios: ``gsp`` (SGLang's generated-shared-prefix defaults), ``b2b`` (llm-d's B2B with
+the prefixes filling ~73% of the fleet's KV), ``b2b-over`` (the prefixes at ~150% of it),
+``zipf`` (Zipf-skewed groups, s = 1.1), ``multi-tenant`` (32 tenants over 4 system
+prompts, each with its own ``cache_salt``), ``multi-turn`` (growing chat histories).
+
+Outputs: ``matrix.json`` (every run, its prediction, the targets), ``table.md``, and per
+scenario the compare_routers outputs (``<scenario>/``: JSON per run, plots). One
+summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from kvroute.benchmarks import workloads as wl
+
+
+@dataclass(frozen=True)
+class Scenario:
+    dataset: str
+    workload_kwargs: dict[str, Any] = field(default_factory=dict)
+    kv_fraction: Optional[float] = None  # size each replica's KV so the shared prefixes fill this share of the fleet's
+
+
+SCENARIOS = {
+    "gsp": Scenario("generated-shared-prefix"),
+    "b2b": Scenario("b2b", kv_fraction=0.73),
+    "b2b-over": Scenario("b2b", kv_fraction=1.5),
+    "zipf": Scenario("zipf", {"s": 1.1}),
+    "multi-tenant": Scenario("multi-tenant"),
+    "multi-turn": Scenario("multi-turn"),
+}
+# the simulator's stand-in for each router (vllm-router's cache_aware is a port of SGLang's)
+SIM_POLICY = {"kvroute": "kvroute", "prefix_affinity_ray": "prefix_affinity_ray", "power_of_two": "power_of_two",
+              "round_robin": "round_robin", "sglang_router": "cache_aware_sglang", "vllm_router": "cache_aware_sglang"}
+BLOCK_SIZE = 16
+MAX_BATCHED_TOKENS = 8192
+MAX_NUM_SEQS = 256
+
+
+def workload_of(name: str, scale: float, len_scale: float, seed: int) -> wl.Workload:
+    s = SCENARIOS[name]
+    return wl.make_workload(s.dataset, seed=seed, scale=scale, len_scale=len_scale, **s.workload_kwargs)
+
+
+def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks: int) -> int:
+    """Per-replica KV blocks: the profile's, or sized so the shared prefixes fill the
+    scenario's share of the fleet; room for a few whole requests at least."""
+    frac = SCENARIOS[name].kv_fraction
+    blocks = profile_blocks
+    if frac:
+        prefix_blocks = workload.num_groups * (workload.shared_prefix_tokens // BLOCK_SIZE)
+        blocks = math.ceil(prefix_blocks / (frac * replicas))
+    biggest = max(-(-(r.num_prompt_tokens + r.output_len) // BLOCK_SIZE) for r in workload.requests)
+    return max(blocks, 4 * biggest)
+
+
+def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, rates: Sequence[float],
+            routers: Sequence[str], seed: int) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:
+    """(the fleet's capacity in req/s, the simulator's metrics per (router, rate))."""
+    from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
+
+    cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
+                    max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
+    capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
+    out = {}
+    for rate in rates:
+        stamped = wl.with_poisson_arrivals(workload, rate, seed=seed)
+        for policy in sorted({SIM_POLICY[r] for r in routers}):
+            out[(policy, rate)] = Simulation(stamped, policy, profile, cfg).run()
+    return capacity, out
+
+
+def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> list[dict[str, Any]]:
+    from kvroute.benchmarks import compare_routers
+    from kvroute.replica.profiles import get_profile
+
+    profile = get_profile(args.profile)
+    workload = workload_of(name, args.scale, args.len_scale, args.seed)
+    kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
+    capacity, _ = predict(workload, profile, args.replicas, kv_blocks, [], routers, args.seed)
+    loads = [float(x) for x in args.loads.split(",")]
+    rates = [round(f * capacity, 3) for f in loads]
+    _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed)
+    engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                     "max_model_len": profile.max_model_len}  # fmt: skip
+    s = SCENARIOS[name]
+    argv = [
+        "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
+        "--routers", ",".join(routers), "--emulate", args.profile, "--time-scale", str(args.time_scale),
+        "--engine-kwargs", json.dumps(engine_kwargs), "--request-rates", ",".join(map(str, rates)),
+        "--dataset-name", s.dataset, "--workload-kwargs", json.dumps(s.workload_kwargs), "--scale", str(args.scale),
+        "--len-scale", str(args.len_scale), "--seed", str(args.seed), "--out-dir", str(Path(args.out_dir) / name), "--label", name,
+        "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
+        "--timeout-s", str(args.timeout_s),
+    ]  # fmt: skip
+    if args.address:
+        argv += ["--address", args.address]
+    combined = compare_routers.run(compare_routers.build_parser().parse_args(argv))
+    rows = []
+    for row in combined["rows"]:
+        load = loads[rates.index(row["rate"])]
+        predicted = sim[(SIM_POLICY[row["router"]], row["rate"])]
+        rows.append({
+            "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks, **row,
+            "sim_policy": SIM_POLICY[row["router"]], "sim_ttft_p90_ms": predicted["ttft_p90_s"] * 1000,
+            "sim_ttft_p99_ms": predicted["ttft_p99_s"] * 1000, "sim_hit_rate": predicted["hit_rate"],
+            "sim_out_tok_s": predicted["output_tokens_per_s"],
+        })  # fmt: skip
+    return rows
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario and load: kvroute's p90/p99 TTFT and throughput against the best peer
+    (by p90), and the simulator's error on kvroute's p90."""
+    out = []
+    for key in sorted({(r["scenario"], r["load"]) for r in rows}):
+        at = {r["router"]: r for r in rows if (r["scenario"], r["load"]) == key}
+        k = at.get("kvroute")
+        peers = {n: r for n, r in at.items() if n != "kvroute" and r["completed"]}
+        if k is None or not peers:
+            continue
+        best = min(peers, key=lambda n: peers[n]["ttft_p90_ms"] or math.inf)
+        b = peers[best]
+        out.append({
+            "scenario": key[0], "load": key[1], "best_peer": best,
+            "p90_over_best_peer": k["ttft_p90_ms"] / max(b["ttft_p90_ms"], 1e-9),
+            "p99_over_best_peer": k["ttft_p99_ms"] / max(b["ttft_p99_ms"], 1e-9),
+            "throughput_over_best_peer": k["out_tok_s"] / max(b["out_tok_s"], 1e-9),
+            "sim_p90_error": abs(k["sim_ttft_p90_ms"] - k["ttft_p90_ms"]) / max(k["ttft_p90_ms"], 1e-9),
+            "errors": sum(r["failed"] for r in at.values()),
+        })  # fmt: skip
+    return out
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    cols = [("scenario", "scenario", "{}"), ("load", "load", "{:.2f}"), ("router", "router", "{}"), ("ok", "completed", "{}"),
+            ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
+            ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("TPOT ms", "tpot_median_ms", "{:.1f}"),
+            ("out tok/s", "out_tok_s", "{:.0f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join("n/a" if r.get(k) is None else f.format(r[k]) for _, k, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.fleet_matrix", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--profile", default="gpu_h100_llama3_8b")
+    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--loads", default="0.6,0.85,0.95,1.2", help="fractions of each scenario's estimated capacity")
+    p.add_argument("--routers", default="kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies the groups / tenants / conversations")
+    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (CI runs use a small one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--app-name", default="kvroute-fleet")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--address", default=None)
+    p.add_argument("--out-dir", default=str(Path(os.environ.get("KVROUTE_RESULTS", "results")) / "fleet_matrix"))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bad = [r for r in routers if r not in SIM_POLICY]
+    if unknown or bad:
+        print(f"error: unknown scenarios {unknown} (choose from {sorted(SCENARIOS)}) or routers {bad}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for name in scenarios:
+        rows += run_scenario(name, args, routers)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tg = targets(rows)
+    from kvroute.benchmarks.common import machine
+
+    result = {"benchmark": "fleet_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": list(argv or sys.argv[1:]),
+              "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale, "scale": args.scale, "len_scale": args.len_scale,
+              "routers": routers, "scenarios": scenarios, "rows": rows, "targets": tg, "machine": machine(),
+              "wall_s": time.perf_counter() - t0}  # fmt: skip
+    (out / "matrix.json").write_text(json.dumps(result, indent=1))
+    (out / "table.md").write_text(table(rows) + "\n")
+    print(table(rows))
+    errors = sum(r["failed"] for r in rows)
+    worst = max((t["p90_over_best_peer"] for t in tg), default=float("nan"))
+    print(f"fleet_matrix: {len(scenarios)} scenarios x {len(routers)} routers, {len(rows)} runs, {errors} errors; "
+          f"worst kvroute p90 / best peer {worst:.2f}  [{out}]")  # fmt: skip
+    return 0 if errors == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

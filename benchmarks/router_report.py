@@ -1,0 +1,89 @@
+"""The router comparison's report: one table row per run, the target ratios at each
+rate (kvroute against the best other router and against power of two), ``table.md``,
+``combined.json`` and the plots (``benchmarks/compare_routers.py`` writes them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvroute.benchmarks import serving
+
+
+def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for key, r in results.items():
+        rows.append({
+            "run": key, "router": r["router"], "rate": r["request_rate"], "completed": r["completed"], "failed": r["failed"],
+            "hit_rate": r["prefix_cache_hit_rate"], "best_hit_rate": r["best_prefix_cache_hit_rate"],
+            "req_s": r["request_throughput"], "out_tok_s": r["output_throughput"],
+            "ttft_median_ms": r["median_ttft_ms"], "ttft_p90_ms": r.get("p90_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
+            "tpot_median_ms": r["median_tpot_ms"], "e2el_median_ms": r["median_e2el_ms"],
+        })
+    return rows
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    cols = [("router", "router", "{}"), ("rate", "rate", "{}"), ("ok", "completed", "{}"), ("err", "failed", "{}"),
+            ("hit", "hit_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
+            ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
+            ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
+    head = "| " + " | ".join(c[0] for c in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    body = []
+    for r in rows:
+        cells = []
+        for _, key, fmt in cols:
+            v = r.get(key)
+            cells.append("n/a" if v is None else fmt.format(v))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *body])
+
+
+def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, Any]:
+    """At one rate: kvroute's hit rate vs the best possible, its p90 TTFT vs the best of
+    the others, and its p90 TTFT / throughput vs power of two."""
+    at = {r["router"]: r for r in results.values() if r["request_rate"] == rate}
+    k = at.get("kvroute")
+    if k is None:
+        return {}
+    out: dict[str, Any] = {"rate": rate}
+    if k["prefix_cache_hit_rate"] is not None and k["best_prefix_cache_hit_rate"]:
+        out["kvroute_hit_over_best"] = k["prefix_cache_hit_rate"] / k["best_prefix_cache_hit_rate"]
+    others = {n: r for n, r in at.items() if n != "kvroute" and r["completed"]}
+    if others:
+        best_name = min(others, key=lambda n: others[n]["p90_ttft_ms"])
+        out["best_other_router"] = best_name
+        out["kvroute_p90_ttft_over_best_other"] = k["p90_ttft_ms"] / max(others[best_name]["p90_ttft_ms"], 1e-9)
+    p2 = at.get("power_of_two")
+    if p2 is not None and p2["completed"]:
+        out["kvroute_p90_ttft_over_power_of_two"] = k["p90_ttft_ms"] / max(p2["p90_ttft_ms"], 1e-9)
+        out["kvroute_throughput_over_power_of_two"] = k["request_throughput"] / max(p2["request_throughput"], 1e-9)
+    out["errors"] = sum(r["failed"] for r in at.values())
+    return out
+
+
+def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    from kvroute.benchmarks import serving_plots as plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for key, r in results.items():
+        serving.write_json(r, out_dir / f"{key}.json")
+    rows = table_rows(results)
+    rates = sorted({r["request_rate"] for r in results.values()}, key=lambda x: math.inf if x == "inf" else float(x))
+    targets = [target_ratios(results, rate) for rate in rates]
+    table = format_rows(rows)
+    (out_dir / "table.md").write_text(table + "\n")
+    top = rates[-1]
+    plots.ttft_cdf({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "ttft_cdf.png")
+    plots.hit_rates({r["router"]: r for r in results.values() if r["request_rate"] == top}, out_dir / "hit_rate.png")
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for r in results.values():
+        by_router.setdefault(r["router"], []).append(r)
+    plots.ttft_vs_rate(by_router, out_dir / "ttft_vs_rate.png")
+    combined = {"benchmark": "compare_routers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "rows": rows, "targets": targets}
+    (out_dir / "combined.json").write_text(json.dumps(combined, indent=1))
+    return combined
