@@ -28,6 +28,7 @@ from tests.conftest import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 
 
 def _children() -> dict[int, list[int]]:
@@ -112,6 +113,7 @@ def _serve_config(model_path: Path, port: int) -> dict:
 
 
 def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
+    current_before = CURRENT_CLUSTER.read_text() if CURRENT_CLUSTER.exists() else None
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray puts sockets under it
     ports = {name: free_port() for name in ("gcs", "dashboard", "http", "client", "agent", "agent_grpc", "metrics", "env_agent")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -174,3 +176,9 @@ def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
                 serve_proc.kill()
         _stop_cluster(temp_dir, f"--address={_node_ip()}:{ports['gcs']}", f"127.0.0.1:{ports['gcs']}")
         shutil.rmtree(temp_dir, ignore_errors=True)
+        # `ray start` records its address in /tmp/ray/ray_current_cluster, where a later
+        # `ray.init()` would try to join the stopped cluster: put back what was there
+        if current_before is None:
+            CURRENT_CLUSTER.unlink(missing_ok=True)
+        else:
+            CURRENT_CLUSTER.write_text(current_before)
