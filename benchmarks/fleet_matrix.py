@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import workloads as wl
+from kvroute.benchmarks.router_report import markdown_table
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
             ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("TPOT ms", "tpot_median_ms", "{:.1f}"),
             ("out tok/s", "out_tok_s", "{:.0f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]
-    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join("n/a" if r.get(k) is None else f.format(r[k]) for _, k, f in cols) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, cols)
 
 
 def build_parser() -> argparse.ArgumentParser:

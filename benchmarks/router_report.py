@@ -31,16 +31,15 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             ("hit", "hit_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
             ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
             ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
-    head = "| " + " | ".join(c[0] for c in cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    body = []
+    return markdown_table(rows, cols)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
+    """A Markdown table: ``cols`` are (heading, row key, format); a missing value is n/a."""
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        cells = []
-        for _, key, fmt in cols:
-            v = r.get(key)
-            cells.append("n/a" if v is None else fmt.format(v))
-        body.append("| " + " | ".join(cells) + " |")
-    return "\n".join([head, sep, *body])
+        lines.append("| " + " | ".join("n/a" if r.get(k) is None else f.format(r[k]) for _, k, f in cols) + " |")
+    return "\n".join(lines)
 
 
 def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, Any]:
