@@ -253,14 +253,21 @@ class OpenAIIngress:
         return body, CONTENT_TYPE
 
 
-def build_app(
-    args: Union[dict[str, Any], AppArgs], *, engine_version: Optional[str] = None, **ingress_options: Any
-) -> serve.Application:
+def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
     """Serve application builder (``import_path: kvroute.deploy.app:build_app``).
 
-    For programs that redeploy one application: ``engine_version`` pins the engine
-    deployment's Serve version (``replica_version``: a router swap then keeps the
-    replicas), and ``ingress_options`` go to the ingress deployment's ``.options``."""
+    Ray Serve calls a builder with exactly one argument (it checks the signature),
+    so the options for programs live on :func:`compose_app`."""
+    return compose_app(args)
+
+
+def compose_app(
+    args: Union[dict[str, Any], AppArgs], *, engine_version: Optional[str] = None, **ingress_options: Any
+) -> serve.Application:
+    """The application :func:`build_app` builds, with two options for programs that
+    redeploy one application: ``engine_version`` pins the engine deployment's Serve
+    version (``replica_version``: a router swap then keeps the replicas), and
+    ``ingress_options`` go to the ingress deployment's ``.options``."""
     parsed = parse_args(args).model_copy(deep=True)
     if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
         parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs

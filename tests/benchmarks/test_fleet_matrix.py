@@ -12,26 +12,25 @@ pytest.importorskip("ray")
 pytest.importorskip("httpx")
 
 from kvroute.benchmarks import fleet_matrix  # noqa: E402
+from kvroute.benchmarks.fleets import external_available  # noqa: E402
+
+
+def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], time_scale: str, len_scale: str) -> int:
+    """One load (0.5) of one scenario on 4 emulated replicas at scale 0.05."""
+    return fleet_matrix.main([
+        "--replicas", "4", "--time-scale", time_scale, "--scenarios", scenario, "--loads", "0.5",
+        "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", len_scale,
+        "--http-port", ray_cluster.rsplit(":", 1)[1], "--app-name", f"fleet{scenario}", "--out-dir", str(out),
+        "--timeout-s", "120",
+    ])  # fmt: skip
 
 
 def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_path, capsys):
-    routers = ["kvroute", "power_of_two"]
-    try:
-        import sglang_router  # noqa: F401
-
-        routers.append("sglang_router")
-    except ImportError:
-        pass
-    port = ray_cluster.rsplit(":", 1)[1]
+    routers = ["kvroute", "power_of_two"] + [r for r in ["sglang_router"] if external_available(r)]
     out = tmp_path / "matrix"
-    rc = fleet_matrix.main([
-        "--replicas", "4", "--time-scale", "2", "--scenarios", "gsp", "--loads", "0.5", "--routers", ",".join(routers),
-        "--scale", "0.05", "--len-scale", "0.1", "--http-port", port, "--app-name", "fleetci", "--out-dir", str(out),
-        "--timeout-s", "120",
-    ])  # fmt: skip
-    assert rc == 0
+    assert _run_matrix(ray_cluster, out, "gsp", routers, "2", "0.1") == 0
     printed = capsys.readouterr().out
-    assert f"fleet_matrix: 1 scenarios x {len(routers)} routers, {len(routers)} runs, 0 errors" in printed
+    assert f"fleet_matrix: 1 scenarios x {len(routers)} routers, {len(routers)} runs, 0 errors (0 kvroute's)" in printed
     matrix = json.loads((out / "matrix.json").read_text())
     workload = fleet_matrix.workload_of("gsp", 0.05, 0.1, 0)
     assert [r["router"] for r in matrix["rows"]] == routers
@@ -52,3 +51,17 @@ def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_
     t = matrix["targets"][0]
     assert t["scenario"] == "gsp" and t["errors"] == 0 and t["p90_over_best_peer"] > 0
     assert (out / "table.md").read_text().startswith("| scenario |")
+
+
+def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_cluster, tmp_path, capsys):
+    routers = ["kvroute"] + [r for r in ["sglang_router"] if external_available(r)]
+    out = tmp_path / "failure"
+    assert _run_matrix(ray_cluster, out, "failure", routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
+    matrix = json.loads((out / "matrix.json").read_text())
+    workload = fleet_matrix.workload_of("failure", 0.05, 0.2, 0)
+    for row in matrix["rows"]:
+        run = json.loads((out / "failure" / f"{row['run']}.json").read_text())
+        assert len(run["killed_replicas"]) == 1, run["killed_replicas"]  # 1 of 8, at least one
+        assert run["completed"] + run["failed"] == len(workload)
+        if row["router"] == "kvroute":  # a stream cut by the kill resumes on another replica: none lost
+            assert run["failed"] == 0 and run["total_output_tokens"] == workload.output_tokens

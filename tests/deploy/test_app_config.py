@@ -87,3 +87,16 @@ def test_router_choices():
     assert router_choice("prefix_affinity_ray")["request_router_class"] == "prefix_affinity_ray"
     with pytest.raises(ValueError, match="router must be one of"):
         router_choice("random")
+
+
+def test_serve_accepts_build_app_as_a_builder():
+    """What ``serve run deploy/serve.yaml`` does with the import path, through Ray
+    Serve's own builder call (it refuses builders with more than one parameter)."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    serve_config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    (app,) = serve_config["applications"]
+    built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])
+    assert isinstance(built, Application)

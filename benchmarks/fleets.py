@@ -1,0 +1,383 @@
+"""The fleets a router comparison runs on, each behind one router at a time, from cold
+caches (``benchmarks/compare_routers.py`` explains how one Serve fleet serves every Serve
+router): ``ServeFleet`` (kvroute's Serve application, its router swapped between runs)
+and ``ExternalFleet`` (``kvroute serve-replica`` processes behind SGLang's or vLLM's
+router). Both can lose replicas mid-run (``kill_replicas``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from kvroute.cluster.config import ROUTER_CHOICES
+
+SERVE_ROUTERS = ROUTER_CHOICES
+# External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
+# --host/--port/--policy/--worker-urls), started with --policy cache_aware.
+EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}
+SERVED_NAME = "kvroute-bench"
+_CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def external_available(name: str) -> bool:
+    import importlib.util
+
+    return name in EXTERNAL_ROUTERS and importlib.util.find_spec(name) is not None
+
+
+def wait_until(probe: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
+    """``probe()``'s first truthy value, polled every ``interval_s``; TimeoutError
+    naming ``what`` after ``timeout_s``. A probe raises to give up early."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+class Fleet(Protocol):
+    """Engine replicas behind one router at a time."""
+
+    kind: str
+
+    def start(self, router: str) -> dict[str, Any]:
+        """Serve ``router`` with every cache cold; the run's metadata, with ``base_url``."""
+
+    def counters(self) -> Optional[dict[str, dict[str, float]]]:
+        """Per replica, cumulative requests and prompt/cached/output tokens (None: not
+        available), so a run's difference shows how the router spread the load."""
+
+    def kill_replicas(self, n: int) -> list[str]:
+        """SIGKILL-like death of ``n`` replicas mid-run; each comes back empty (Serve
+        replaces it; an external fleet restarts the process on the same port)."""
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------- Serve fleet
+class ServeFleet:
+    """One kvroute Serve application whose router is swapped between runs while the
+    engine replicas stay up."""
+
+    kind = "serve"
+
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        self.app_name = args.app_name
+        self.base_url = f"http://127.0.0.1:{args.http_port}/{self.app_name}"
+        self.replica_ids: list[str] = []
+        self._control = None  # handle whose request router is kvroute's (addressed calls)
+        self._killed = False  # replicas were replaced since the last start
+
+    def app_args(self, router: str) -> Any:
+        from kvroute.deploy.app import parse_args, router_choice
+
+        route = router_choice(router)
+        return parse_args({
+            "app_name": self.app_name,
+            "llm_configs": [{
+                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.args.model},
+                "engine_kwargs": self.engine_kwargs,
+                "deployment_config": {
+                    "num_replicas": self.args.replicas,
+                    "ray_actor_options": {"num_cpus": self.args.num_cpus_per_replica},
+                    "request_router_config": {"request_router_class": route["request_router_class"]},
+                    "max_ongoing_requests": self.args.max_ongoing_requests,
+                },
+                "router_policy": route["router_policy"],
+                "torch_threads": self.args.torch_threads,
+            }],
+            "ingress": {"num_cpus": 0.1},
+        })
+
+    def build(self, router: str) -> Any:
+        """``deploy.app.compose_app`` with the engine deployment's version pinned, so a
+        router swap only reconfigures the replicas."""
+        from kvroute.cluster.replica_deployment import replica_version
+        from kvroute.deploy.app import compose_app
+
+        parsed = self.app_args(router)
+        config = parsed.cluster_config()  # hash_seed is set: the same config build_app makes
+        # between runs the old ingress is idle: no need to wait out Serve's drain loop
+        app = compose_app(parsed, engine_version=replica_version(config), graceful_shutdown_wait_loop_s=0.2,
+                        graceful_shutdown_timeout_s=5.0)  # fmt: skip
+        return app, config
+
+    def deploy(self, router: str) -> None:
+        from ray import serve
+
+        app, self.config = self.build(router)
+        if self._control is None:
+            # a run that was stopped leaves its app and detached actors behind (a router
+            # actor with another hash seed would refuse these replicas): start clean
+            self.close()
+        if router == "prefix_affinity_ray":  # Ray's router keeps its tree in a detached actor
+            self._kill_prefix_tree_actor()
+        serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
+        if self._control is None:
+            self._control = serve.get_deployment_handle(self.config.deployment_name, app_name=self.app_name)
+
+    def router_actor(self) -> Any:
+        import ray
+
+        from kvroute.cluster.messages import ROUTER_NAMESPACE
+
+        return ray.get_actor(self.config.router_actor_name, namespace=ROUTER_NAMESPACE)
+
+    def registered(self) -> list[str]:
+        import ray
+
+        return sorted(ray.get(self.router_actor().replicas.remote()))
+
+    def wait_registered(self, n: int, timeout_s: float = 120.0) -> list[str]:
+        def probe() -> Optional[list[str]]:
+            ids = self.registered()
+            return ids if len(ids) >= n else None
+
+        return wait_until(probe, timeout_s, f"{n} replicas did not all register with the router", 0.2)
+
+    def start(self, router: str) -> dict[str, Any]:
+        """Deploy ``router`` and make every replica and router state cold."""
+        import ray
+
+        from kvroute.cluster.messages import ReplicaCall
+        from kvroute.deploy.app import router_choice
+
+        t0 = time.perf_counter()
+        self.deploy(router)
+        t_deploy = time.perf_counter() - t0
+        ids = self.wait_registered(self.args.replicas)
+        if not self.replica_ids or self._killed:
+            self.replica_ids, self._killed = ids, False
+        elif ids != self.replica_ids:
+            raise RuntimeError(f"the replicas changed across a router swap: {self.replica_ids} -> {ids}")
+
+        async def reset_all() -> list[dict[str, Any]]:
+            out = []
+            for rid in self.replica_ids:
+                for attempt in range(50):  # a replica still finishing or being reconfigured
+                    try:
+                        r = await asyncio.wait_for(self._control.reset_prefix_cache.remote(ReplicaCall(rid)), 30)
+                    except Exception:
+                        if attempt == 49:
+                            raise
+                        await asyncio.sleep(0.2)
+                        continue
+                    if r["reset"]:
+                        out.append(r)
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise RuntimeError(f"replica {rid} kept blocks in use: cannot reset its prefix cache")
+            return out
+
+        resets = asyncio.run(reset_all())
+        assert sorted(r["replica_id"] for r in resets) == self.replica_ids, resets
+        ray.get(self.router_actor().reset.remote(router_choice(router)["router_policy"], {}))
+        after = self.wait_registered(self.args.replicas)
+        assert after == self.replica_ids, (after, self.replica_ids)
+        for rid in self.replica_ids:  # the directory starts empty
+            assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
+        t_reset = time.perf_counter() - t0 - t_deploy
+        warm_up(self.base_url, self.args.replicas)
+        time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
+        return {"fleet": self.kind, "base_url": self.base_url, "replica_ids": list(self.replica_ids),
+                "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return wait_counters(self.base_url, self.replica_ids)
+
+    def kill_replicas(self, n: int) -> list[str]:
+        import ray
+
+        victims = self.replica_ids[:n]
+        for uid in victims:
+            name = f"SERVE_REPLICA::{self.app_name}#{self.config.deployment_name}#{uid}"
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        self._killed = True
+        return victims
+
+    def _kill_prefix_tree_actor(self) -> None:
+        import ray
+
+        namespace = f"serve::{self.app_name}::{self.args.deployment_name}"
+        try:
+            ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        from ray import serve
+
+        from kvroute.cluster.router_actor import kill_router_actor
+
+        try:
+            if self.app_name in serve.status().applications:
+                serve.delete(self.app_name)
+        finally:
+            kill_router_actor(f"kvroute-router:{self.app_name}")
+            self._kill_prefix_tree_actor()
+
+
+def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
+    """A few requests shorter than one block (nothing gets cached): the new ingress and
+    its handle are up before the clock starts."""
+    import httpx
+
+    def answered() -> bool:
+        try:
+            r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi",
+                                                               "max_tokens": 1, "temperature": 0}, timeout=60)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    for _ in range(n):
+        wait_until(answered, timeout_s, f"{base_url} did not answer a warm-up request")
+
+
+_COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_tokens",
+            "vllm:prefix_cache_hits": "cached_tokens", "vllm:generation_tokens": "output_tokens"}
+
+
+def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
+    """Per replica, the cumulative counters of the app's ``/metrics`` (requests, prompt,
+    cached and output tokens): a run's difference shows how a router spread the load."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    for fam in text_string_to_metric_families(text):
+        key = _COUNTED.get(fam.name)
+        if key is None:
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_total") and "replica" in sample.labels:
+                row = out.setdefault(sample.labels["replica"], dict.fromkeys(_COUNTED.values(), 0.0))
+                row[key] += sample.value
+    return out
+
+
+def wait_counters(base_url: str, replica_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
+    """The counters once every replica has reported (about once a second); what there
+    is after ``timeout_s`` otherwise."""
+    last: dict[str, dict[str, float]] = {}
+
+    def probe() -> Optional[dict[str, dict[str, float]]]:
+        nonlocal last
+        last = replica_counters(base_url)
+        return last if set(replica_ids) <= set(last) else None
+
+    try:
+        return wait_until(probe, timeout_s, "replica counters")
+    except TimeoutError:
+        return last
+
+
+def per_replica(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in row.items()} for rid, row in sorted(after.items())}
+
+
+# ---------------------------------------------------------------------- external router
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    import httpx
+
+    def up() -> bool:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode} before {url} answered")
+        try:
+            return httpx.get(url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout_s, f"{url} did not answer")
+
+
+class ExternalFleet:
+    """``--replicas`` single-engine servers (``kvroute serve-replica``) with SGLang's or
+    vLLM's router in front, started afresh for every run (cold caches)."""
+
+    kind = "serve-replica processes"
+    _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale")
+
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+
+    def start(self, router: str) -> dict[str, Any]:
+        self.close()
+        kw = self.engine_kwargs
+        env = self._env()
+        flags = ["--model", self.args.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
+        for key in self._FORWARDED:
+            if kw.get(key) is not None:
+                flags += [f"--{key.replace('_', '-')}", str(kw[key])]
+        try:
+            self.urls = urls = []
+            for i in range(self.args.replicas):
+                port = _free_port()
+                urls.append(f"http://127.0.0.1:{port}")
+                self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags,
+                                                    "--replica-id", f"ext-{i}", "--port", str(port)], env=env))
+            for url in urls:
+                _wait_http(url + "/health", self.procs, 300)
+            port = _free_port()
+            self.procs.append(subprocess.Popen([sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1",
+                                                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
+            base = f"http://127.0.0.1:{port}"
+            _wait_http(base + "/v1/models", self.procs, 120)
+            warm_up(base, self.args.replicas)
+        except BaseException:
+            self.close()
+            raise
+        return {"fleet": self.kind, "base_url": base, "worker_urls": urls}
+
+    def counters(self) -> None:
+        return None
+
+    def kill_replicas(self, n: int) -> list[str]:
+        killed = []
+        for i in range(n):
+            old = self.procs[i]
+            old.kill()
+            old.wait()
+            self.procs[i] = subprocess.Popen(old.args, env=self._env())
+            killed.append(self.urls[i])
+        for url in killed:
+            _wait_http(url + "/health", self.procs, 300)
+        return killed
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": str(self.args.torch_threads)}
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
