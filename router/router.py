@@ -143,17 +143,22 @@ class Router:
 
     # ------------------------------------------------------------------ routing
     def route(
-        self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str] | None = None
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        candidates: Sequence[str] | None = None,
+        unsalted_hashes: Sequence[BlockHash] | None = None,
     ) -> RouteDecision:
         """Choose a replica for a request of ``num_tokens`` prompt tokens whose full
-        blocks hash to ``block_hashes``; ``candidates`` None means every replica."""
+        blocks hash to ``block_hashes``; ``candidates`` None means every replica.
+        ``unsalted_hashes``: see ``RouteRequest`` (the simulator's text-matching peers)."""
         cs = self._candidate_set(candidates)
         cands = cs.ids
         if num_tokens < len(block_hashes) * self.block_size:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
             )
-        request = RouteRequest(block_hashes, num_tokens, cands, self._table(block_hashes, cs))
+        request = RouteRequest(block_hashes, num_tokens, cands, self._table(block_hashes, cs), unsalted_hashes)
         policy = self.policy
         decision = policy.choose(request, self)
         chosen = decision.replica_id

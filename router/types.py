@@ -23,6 +23,15 @@ class RouteRequest:
     num_tokens: int
     candidates: Sequence[ReplicaId]
     table: CandidateTable | None = None
+    # The prompt's block hashes without the tenant's cache_salt, where it has one: what
+    # a router matching prompt TEXT sees (tenants sharing a system prompt look alike).
+    # The simulator gives it to the text-matching peers' re-implementations.
+    unsalted_hashes: Sequence[BlockHash] | None = None
+
+    @property
+    def text_hashes(self) -> Sequence[BlockHash]:
+        """The hashes a text-matching router keys its tree on."""
+        return self.block_hashes if self.unsalted_hashes is None else self.unsalted_hashes
 
 
 @dataclass(slots=True)

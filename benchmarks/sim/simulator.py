@@ -122,7 +122,9 @@ class Simulation:
 
     def _arrive(self, spec: RequestSpec) -> None:
         hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt)
-        decision = self.router.route(hashes, spec.num_prompt_tokens)
+        # a text-matching peer sees the prompt, not the salt
+        text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids)
+        decision = self.router.route(hashes, spec.num_prompt_tokens, None, text)
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket

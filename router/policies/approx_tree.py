@@ -89,7 +89,7 @@ class TreePolicy(Policy):
     tree: ApproxPrefixTree
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
-        self.tree.insert(decision.replica_id, request.block_hashes)
+        self.tree.insert(decision.replica_id, request.text_hashes)
 
     def on_replica_removed(self, replica_id: ReplicaId) -> None:
         self.tree.remove_replica(replica_id)

@@ -70,7 +70,7 @@ class CacheAwareSGLangPolicy(TreePolicy):
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
         cands = request.candidates
         loads = {r: view.load(r).queue_len for r in cands}
-        matches = self.tree.match(request.block_hashes, cands)
+        matches = self.tree.match(request.text_hashes, cands)
         max_load, min_load = max(loads.values()), min(loads.values())
         if (
             max_load - min_load > self.balance_abs_threshold
@@ -79,7 +79,7 @@ class CacheAwareSGLangPolicy(TreePolicy):
             replica = least_loaded(cands, view)
             reason = "balance"
         else:
-            total = len(request.block_hashes)
+            total = len(request.text_hashes)
             best = max(matches.values())
             if total > 0 and best / total > self.cache_threshold:
                 replica = min(cands, key=lambda r: (-matches[r], loads[r]))

@@ -67,12 +67,12 @@ class PrefixAffinityRayPolicy(TreePolicy):
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
         cands = request.candidates
         loads = {r: view.load(r).queue_len for r in cands}
-        matches = self.tree.match(request.block_hashes, cands)
+        matches = self.tree.match(request.text_hashes, cands)
         if max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
             replica = power_of_two_pick(cands, view, self._rng)
             reason = "power_of_two"
         else:
-            total = len(request.block_hashes)
+            total = len(request.text_hashes)
             best = max(matches.values())
             if total > 0 and best > 0 and best / total >= self.match_rate_threshold:
                 short = [r for r in cands if matches[r] == best]

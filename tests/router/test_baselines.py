@@ -158,6 +158,25 @@ def test_sglang_high_match_goes_to_best_match_low_match_to_smallest_tree():
     assert pol2.choose(req(prompt(3, 4)), view).reason == "cache_hit"
 
 
+@pytest.mark.parametrize("policy_cls", [CacheAwareSGLangPolicy, PrefixAffinityRayPolicy])
+def test_text_matching_peers_see_the_prompt_not_the_tenants_salt(policy_cls):
+    """Two tenants, one system prompt, different cache_salt: their KV cannot be shared,
+    but a router matching text believes it can (the peers' real behaviour)."""
+    pol, view = policy_cls(), FakeView()
+    toks = prompt(1, 4)
+    text = hash_blocks(SPEC, toks)
+
+    def salted(salt: str) -> RouteRequest:
+        return RouteRequest(hash_blocks(SPEC, toks, salt), len(toks), [A, B, C], unsalted_hashes=text)
+
+    assert salted("t1").block_hashes != salted("t2").block_hashes
+    first = route(pol, salted("t1"), view)
+    second = pol.choose(salted("t2"), view)
+    assert second.replica_id == first.replica_id and second.expected_cached_tokens == 4 * BS - 1  # the last token is always computed
+    # keyed on the salted hashes they would see nothing in common
+    assert policy_cls().choose(RouteRequest(hash_blocks(SPEC, toks, "t2"), len(toks), [A, B, C]), view).expected_cached_tokens == 0
+
+
 def test_sglang_imbalance_needs_both_thresholds_and_goes_to_least_loaded():
     pol = CacheAwareSGLangPolicy()
     r = req(prompt(1, 4))
