@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fleet = fleets[router]
                 info = fleet.start(router)
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
-                before = fleet.counters()
+                before, routing_before = fleet.counters(), fleet.router_counters()
                 r, killed = asyncio.run(_measure(fleet, info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
                                                  decode, args.kill_replicas, args.kill_at))  # fmt: skip
                 run_info = {"router": router, **info, "killed_replicas": killed}
@@ -178,6 +178,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print("  per replica (requests, prompt, cached): " + "; ".join(
                         f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
                         for rid, c in spread.items()), flush=True)  # fmt: skip
+                if routing_before is not None:
+                    after = fleet.router_counters() or {}
+                    run_info["routing"] = routing = {k: v - routing_before.get(k, 0.0) for k, v in sorted(after.items())}
+                    print("  routing: " + ", ".join(f"{k} {v:.0f}" for k, v in routing.items() if v), flush=True)
                 results[f"{router}_rate{rate:g}"] = {**run_info, **r}
                 print(f"  {router}: {serving.summary_line(r)}", flush=True)
     finally:

@@ -55,6 +55,10 @@ class Fleet(Protocol):
         """Per replica, cumulative requests and prompt/cached/output tokens (None: not
         available), so a run's difference shows how the router spread the load."""
 
+    def router_counters(self) -> Optional[dict[str, float]]:
+        """kvroute's own cumulative routing counters (decisions by reason, fallbacks,
+        predicted and actual cached tokens; None: not available)."""
+
     def kill_replicas(self, n: int) -> list[str]:
         """SIGKILL-like death of ``n`` replicas mid-run; each comes back empty (Serve
         replaces it; an external fleet restarts the process on the same port)."""
@@ -196,6 +200,9 @@ class ServeFleet:
     def counters(self) -> dict[str, dict[str, float]]:
         return wait_counters(self.base_url, self.replica_ids)
 
+    def router_counters(self) -> dict[str, float]:
+        return router_counters(self.base_url)
+
     def kill_replicas(self, n: int) -> list[str]:
         import ray
 
@@ -265,6 +272,32 @@ def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
             if sample.name.endswith("_total") and "replica" in sample.labels:
                 row = out.setdefault(sample.labels["replica"], dict.fromkeys(_COUNTED.values(), 0.0))
                 row[key] += sample.value
+    return out
+
+
+_ROUTER_COUNTED = {"kvroute:router_fallbacks": "fallbacks", "kvroute:predicted_cached_tokens": "predicted_cached_tokens",
+                   "kvroute:actual_cached_tokens": "actual_cached_tokens", "kvroute:cached_tokens_abs_error": "cached_tokens_abs_error",
+                   "kvroute:routed_requests": "routed_requests"}  # fmt: skip
+
+
+def router_counters(base_url: str) -> dict[str, float]:
+    """The app's cumulative routing counters from ``/metrics``: the names above, and
+    ``decisions:<reason>`` for the router's decisions by reason."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        for sample in fam.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if fam.name == "kvroute:routing_decisions":
+                key = "decisions:" + sample.labels["reason"]
+            elif fam.name in _ROUTER_COUNTED:
+                key = _ROUTER_COUNTED[fam.name]
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -354,6 +387,9 @@ class ExternalFleet:
         return {"fleet": self.kind, "base_url": base, "worker_urls": urls}
 
     def counters(self) -> None:
+        return None
+
+    def router_counters(self) -> None:
         return None
 
     def kill_replicas(self, n: int) -> list[str]:

@@ -16,13 +16,18 @@ from kvroute.benchmarks import serving
 def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for key, r in results.items():
+        routing = r.get("routing") or {}
         rows.append({
             "run": key, "router": r["router"], "rate": r["request_rate"], "completed": r["completed"], "failed": r["failed"],
             "hit_rate": r["prefix_cache_hit_rate"], "best_hit_rate": r["best_prefix_cache_hit_rate"],
             "req_s": r["request_throughput"], "out_tok_s": r["output_throughput"],
             "ttft_median_ms": r["median_ttft_ms"], "ttft_p90_ms": r.get("p90_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
             "tpot_median_ms": r["median_tpot_ms"], "e2el_median_ms": r["median_e2el_ms"],
-        })
+            # kvroute's own: requests routed without the router, and |predicted - actual| cached tokens / prompt tokens
+            "fallbacks": routing.get("fallbacks"),
+            "pred_cached_err": (routing["cached_tokens_abs_error"] / max(r["total_input_tokens"], 1)
+                                if "cached_tokens_abs_error" in routing else None),
+        })  # fmt: skip
     return rows
 
 

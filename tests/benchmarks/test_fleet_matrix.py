@@ -48,6 +48,11 @@ def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_
     for run in serve_runs:  # the replicas' own counters account for every request
         assert sum(c["requests"] for c in run["per_replica"].values()) == len(workload)
         assert len(run["per_replica"]) == 4
+        if run["router"] == "kvroute":  # and the router's: one decision per request, none by fallback
+            assert sum(v for k, v in run["routing"].items() if k.startswith("decisions:")) == len(workload)
+            assert run["routing"].get("fallbacks", 0) == 0
+    k = next(r for r in matrix["rows"] if r["router"] == "kvroute")
+    assert 0 <= k["pred_cached_err"] < 0.2 and k["fallbacks"] == 0
     t = matrix["targets"][0]
     assert t["scenario"] == "gsp" and t["errors"] == 0 and t["p90_over_best_peer"] > 0
     assert (out / "table.md").read_text().startswith("| scenario |")
