@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)} (default: the four Serve routers, plus "
                         "sglang_router / vllm_router where the sglang-router / vllm-router package is installed)")
     p.add_argument("--kill-replicas", type=int, default=0, help="replicas that die mid-run (each comes back empty)")
-    p.add_argument("--kill-at", type=float, default=0.5, help="when, as a fraction of the trace's arrival span")
+    p.add_argument("--add-replicas", type=int, default=0,
+                   help="scale-out: every run starts with --replicas minus this many, which join mid-run")
+    p.add_argument("--event-at", type=float, default=0.5,
+                   help="when replicas die or join, as a fraction of the trace's arrival span")
     p.add_argument("--request-rates", default=None, help="comma list of request rates to sweep (default: --request-rate)")
     p.add_argument("--app-name", default="kvroute-bench")
     p.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
@@ -131,23 +134,27 @@ def _join_ray(args: argparse.Namespace) -> None:
 
 
 async def _measure(fleet: Fleet, base_url: str, workload: wl.Workload, config: serving.LoadConfig,
-                   decode: Any, kill: int, kill_at: float) -> tuple[dict[str, Any], list[str]]:
-    """One benchmark; with ``kill``, that many replicas die at ``kill_at`` × the trace's
-    arrival span (and come back empty) while it runs."""
+                   decode: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """One benchmark; at ``--event-at`` × the trace's arrival span, ``--kill-replicas``
+    replicas die (and come back empty) and ``--add-replicas`` join, while it runs."""
     bench = asyncio.ensure_future(serving.benchmark(base_url, workload, config, SERVED_NAME, decode))
-    killed: list[str] = []
-    if kill:
+    events: dict[str, list[str]] = {"killed_replicas": [], "added_replicas": []}
+    if args.kill_replicas or args.add_replicas:
         span = max(r.arrival_s for r in serving.with_arrivals(workload, config.request_rate, config.arrival, config.seed).requests)
-        await asyncio.sleep(kill_at * span * config.time_scale)
-        if not bench.done():
-            killed = await asyncio.to_thread(fleet.kill_replicas, kill)
-            print(f"  killed {killed} at {kill_at:.0%} of the arrivals", flush=True)
-    return await bench, killed
+        await asyncio.sleep(args.event_at * span * config.time_scale)
+        if not bench.done() and args.kill_replicas:
+            events["killed_replicas"] = await asyncio.to_thread(fleet.kill_replicas, args.kill_replicas)
+        if not bench.done() and args.add_replicas:
+            events["added_replicas"] = await asyncio.to_thread(fleet.add_replicas, args.add_replicas)
+        print(f"  at {args.event_at:.0%} of the arrivals: " + ", ".join(f"{k} {v}" for k, v in events.items() if v), flush=True)
+    return await bench, events
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = serving.workload_from_args(args)
     routers = _routers(args)
+    if not 0 <= args.add_replicas < args.replicas:
+        raise ValueError(f"--add-replicas must be in [0, --replicas), got {args.add_replicas}")
     engine_kwargs, config = _settings(args, routers)
     decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
     rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
@@ -169,9 +176,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = fleet.start(router)
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
                 before, routing_before = fleet.counters(), fleet.router_counters()
-                r, killed = asyncio.run(_measure(fleet, info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
-                                                 decode, args.kill_replicas, args.kill_at))  # fmt: skip
-                run_info = {"router": router, **info, "killed_replicas": killed}
+                r, events = asyncio.run(_measure(fleet, info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
+                                                 decode, args))  # fmt: skip
+                run_info = {"router": router, **info, **events}
                 if before is not None:
                     time.sleep(1.5)  # the replicas' last metrics report
                     run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})

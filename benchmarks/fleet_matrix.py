@@ -20,7 +20,10 @@ Scenarios: ``gsp`` (SGLang's generated-shared-prefix defaults), ``b2b`` (llm-d's
 the prefixes filling ~73% of the fleet's KV), ``b2b-over`` (the prefixes at ~150% of it),
 ``zipf`` (Zipf-skewed groups, s = 1.1), ``multi-tenant`` (32 tenants over 4 system
 prompts, each with its own ``cache_salt``), ``failure`` (gsp with 1 of 8 replicas killed
-at mid-run and replaced empty), ``multi-turn`` (growing chat histories).
+at mid-run and replaced empty), ``multi-turn`` (growing chat histories), ``scale-out``
+(gsp on 3/4 of the replicas, the last quarter joining empty at mid-run; loads are
+fractions of the whole fleet's capacity, so the first half runs over the smaller
+fleet's).
 
 Outputs: ``matrix.json`` (every run, its prediction, the targets), ``table.md``, and per
 scenario the compare_routers outputs (``<scenario>/``: JSON per run, plots). One
@@ -30,6 +33,7 @@ summary line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +53,7 @@ class Scenario:
     workload_kwargs: dict[str, Any] = field(default_factory=dict)
     kv_fraction: Optional[float] = None  # size each replica's KV so the shared prefixes fill this share of the fleet's
     kill_fraction: float = 0.0  # this share of the replicas dies at mid-run and comes back empty
+    add_fraction: float = 0.0  # this share of the replicas joins at mid-run (the run starts without them)
 
 
 SCENARIOS = {
@@ -59,6 +64,7 @@ SCENARIOS = {
     "multi-tenant": Scenario("multi-tenant"),
     "failure": Scenario("generated-shared-prefix", kill_fraction=1 / 8),
     "multi-turn": Scenario("multi-turn"),
+    "scale-out": Scenario("generated-shared-prefix", add_fraction=1 / 4),
 }
 # the simulator's stand-in for each router (vllm-router's cache_aware is a port of SGLang's)
 SIM_POLICY = {"kvroute": "kvroute", "prefix_affinity_ray": "prefix_affinity_ray", "power_of_two": "power_of_two",
@@ -86,8 +92,9 @@ def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks
 
 
 def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, rates: Sequence[float],
-            routers: Sequence[str], seed: int) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:
-    """(the fleet's capacity in req/s, the simulator's metrics per (router, rate))."""
+            routers: Sequence[str], seed: int, joining: int = 0) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:
+    """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
+    with ``joining``, that many of the replicas join at half the arrival span."""
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
@@ -96,9 +103,16 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     out = {}
     for rate in rates:
         stamped = wl.with_poisson_arrivals(workload, rate, seed=seed)
+        join_at = 0.5 * max(r.arrival_s for r in stamped.requests)
+        at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=join_at)
         for policy in sorted({SIM_POLICY[r] for r in routers}):
-            out[(policy, rate)] = Simulation(stamped, policy, profile, cfg).run()
+            out[(policy, rate)] = Simulation(stamped, policy, profile, at).run()
     return capacity, out
+
+
+def _share(fraction: float, replicas: int) -> int:
+    """That share of the replicas, at least one where the share is not zero."""
+    return max(1, round(fraction * replicas)) if fraction else 0
 
 
 def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> list[dict[str, Any]]:
@@ -111,10 +125,11 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     capacity, _ = predict(workload, profile, args.replicas, kv_blocks, [], routers, args.seed)
     loads = [float(x) for x in args.loads.split(",")]
     rates = [round(f * capacity, 3) for f in loads]
-    _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed)
+    s = SCENARIOS[name]
+    _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
+                     joining=_share(s.add_fraction, args.replicas))
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": profile.max_model_len}  # fmt: skip
-    s = SCENARIOS[name]
     argv = [
         "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
         "--routers", ",".join(routers), "--emulate", args.profile, "--time-scale", str(args.time_scale),
@@ -123,7 +138,8 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
         "--len-scale", str(args.len_scale), "--seed", str(args.seed), "--out-dir", str(Path(args.out_dir) / name), "--label", name,
         "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
         "--timeout-s", str(args.timeout_s),
-        "--kill-replicas", str(max(1, round(s.kill_fraction * args.replicas)) if s.kill_fraction else 0), "--kill-at", "0.5",
+        "--kill-replicas", str(_share(s.kill_fraction, args.replicas)), "--add-replicas", str(_share(s.add_fraction, args.replicas)),
+        "--event-at", "0.5",
     ]  # fmt: skip
     if args.address:
         argv += ["--address", args.address]

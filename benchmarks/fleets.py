@@ -2,7 +2,8 @@
 caches (``benchmarks/compare_routers.py`` explains how one Serve fleet serves every Serve
 router): ``ServeFleet`` (kvroute's Serve application, its router swapped between runs)
 and ``ExternalFleet`` (``kvroute serve-replica`` processes behind SGLang's or vLLM's
-router). Both can lose replicas mid-run (``kill_replicas``)."""
+router). Both can lose replicas mid-run (``kill_replicas``) and start with fewer replicas
+that grow to ``--replicas`` mid-run (``--add-replicas``, ``add_replicas``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ SERVE_ROUTERS = ROUTER_CHOICES
 # External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
 # --host/--port/--policy/--worker-urls), started with --policy cache_aware.
 EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}
+# how each registers a worker while it runs (sglang-router 0.3: JSON body; vllm-router: query)
+_ADD_WORKER = {"sglang_router": lambda url: ("/workers", {"json": {"url": url}}),
+               "vllm_router": lambda url: ("/add_worker", {"params": {"url": url}})}
 SERVED_NAME = "kvroute-bench"
 _CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -63,6 +67,9 @@ class Fleet(Protocol):
         """SIGKILL-like death of ``n`` replicas mid-run; each comes back empty (Serve
         replaces it; an external fleet restarts the process on the same port)."""
 
+    def add_replicas(self, n: int) -> list[str]:
+        """``n`` new empty replicas join the running fleet (scale-out); their ids."""
+
     def close(self) -> None: ...
 
 
@@ -80,7 +87,10 @@ class ServeFleet:
         self.base_url = f"http://127.0.0.1:{args.http_port}/{self.app_name}"
         self.replica_ids: list[str] = []
         self._control = None  # handle whose request router is kvroute's (addressed calls)
-        self._killed = False  # replicas were replaced since the last start
+        self._changed = False  # replicas were replaced or added since the last start
+        self._starts = 0
+        self.initial = args.replicas - args.add_replicas  # the fleet's size when a run starts
+        self.size = self.initial
 
     def app_args(self, router: str) -> Any:
         from kvroute.deploy.app import parse_args, router_choice
@@ -92,7 +102,7 @@ class ServeFleet:
                 "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.args.model},
                 "engine_kwargs": self.engine_kwargs,
                 "deployment_config": {
-                    "num_replicas": self.args.replicas,
+                    "num_replicas": self.size,
                     "ray_actor_options": {"num_cpus": self.args.num_cpus_per_replica},
                     "request_router_config": {"request_router_class": route["request_router_class"]},
                     "max_ongoing_requests": self.args.max_ongoing_requests,
@@ -105,15 +115,17 @@ class ServeFleet:
 
     def build(self, router: str) -> Any:
         """``deploy.app.compose_app`` with the engine deployment's version pinned, so a
-        router swap only reconfigures the replicas."""
+        router swap or a new size only reconfigures the replicas, and the ingress's
+        version pinned per start, so a scale-out mid-run keeps the ingress (and the
+        requests in flight through it)."""
         from kvroute.cluster.replica_deployment import replica_version
         from kvroute.deploy.app import compose_app
 
         parsed = self.app_args(router)
         config = parsed.cluster_config()  # hash_seed is set: the same config build_app makes
         # between runs the old ingress is idle: no need to wait out Serve's drain loop
-        app = compose_app(parsed, engine_version=replica_version(config), graceful_shutdown_wait_loop_s=0.2,
-                        graceful_shutdown_timeout_s=5.0)  # fmt: skip
+        app = compose_app(parsed, engine_version=replica_version(config), ingress_version=f"{router}-{self._starts}",
+                          graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=5.0)  # fmt: skip
         return app, config
 
     def deploy(self, router: str) -> None:
@@ -143,11 +155,14 @@ class ServeFleet:
         return sorted(ray.get(self.router_actor().replicas.remote()))
 
     def wait_registered(self, n: int, timeout_s: float = 120.0) -> list[str]:
+        """The router's replicas once there are exactly ``n`` (a scale-down first has to
+        retire the extra ones)."""
+
         def probe() -> Optional[list[str]]:
             ids = self.registered()
-            return ids if len(ids) >= n else None
+            return ids if len(ids) == n else None
 
-        return wait_until(probe, timeout_s, f"{n} replicas did not all register with the router", 0.2)
+        return wait_until(probe, timeout_s, f"the router did not come to {n} registered replicas", 0.2)
 
     def start(self, router: str) -> dict[str, Any]:
         """Deploy ``router`` and make every replica and router state cold."""
@@ -157,11 +172,13 @@ class ServeFleet:
         from kvroute.deploy.app import router_choice
 
         t0 = time.perf_counter()
+        self._starts += 1
+        self.size = self.initial
         self.deploy(router)
         t_deploy = time.perf_counter() - t0
-        ids = self.wait_registered(self.args.replicas)
-        if not self.replica_ids or self._killed:
-            self.replica_ids, self._killed = ids, False
+        ids = self.wait_registered(self.size)
+        if not self.replica_ids or self._changed:
+            self.replica_ids, self._changed = ids, False
         elif ids != self.replica_ids:
             raise RuntimeError(f"the replicas changed across a router swap: {self.replica_ids} -> {ids}")
 
@@ -187,12 +204,13 @@ class ServeFleet:
         resets = asyncio.run(reset_all())
         assert sorted(r["replica_id"] for r in resets) == self.replica_ids, resets
         ray.get(self.router_actor().reset.remote(router_choice(router)["router_policy"], {}))
-        after = self.wait_registered(self.args.replicas)
+        after = self.wait_registered(self.size)
         assert after == self.replica_ids, (after, self.replica_ids)
         for rid in self.replica_ids:  # the directory starts empty
             assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
         t_reset = time.perf_counter() - t0 - t_deploy
-        warm_up(self.base_url, self.args.replicas)
+        self._router = router
+        warm_up(self.base_url, self.size)
         time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
         return {"fleet": self.kind, "base_url": self.base_url, "replica_ids": list(self.replica_ids),
                 "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}
@@ -210,8 +228,21 @@ class ServeFleet:
         for uid in victims:
             name = f"SERVE_REPLICA::{self.app_name}#{self.config.deployment_name}#{uid}"
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        self._killed = True
+        self._changed = True
         return victims
+
+    def add_replicas(self, n: int) -> list[str]:
+        """Redeploy the running app with ``n`` more engine replicas: both versions are
+        the same, so Serve only starts the new replicas."""
+        from ray import serve
+
+        old = set(self.replica_ids)
+        self.size += n
+        app, _ = self.build(self._router)
+        serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
+        ids = self.wait_registered(self.size)
+        self.replica_ids, self._changed = ids, True
+        return [rid for rid in ids if rid not in old]
 
     def _kill_prefix_tree_actor(self) -> None:
         import ray
@@ -355,36 +386,43 @@ class ExternalFleet:
     def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         self.args = args
         self.engine_kwargs = engine_kwargs
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # the replicas, in the order of self.urls
+        self.router_proc: Optional[subprocess.Popen] = None
         self.urls: list[str] = []
+        self.router, self.base_url = "", ""
 
-    def start(self, router: str) -> dict[str, Any]:
-        self.close()
+    def _start_replicas(self, n: int) -> list[str]:
+        """``n`` more ``serve-replica`` processes, once each answers ``/health``."""
         kw = self.engine_kwargs
-        env = self._env()
         flags = ["--model", self.args.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
         for key in self._FORWARDED:
             if kw.get(key) is not None:
                 flags += [f"--{key.replace('_', '-')}", str(kw[key])]
-        try:
-            self.urls = urls = []
-            for i in range(self.args.replicas):
-                port = _free_port()
-                urls.append(f"http://127.0.0.1:{port}")
-                self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags,
-                                                    "--replica-id", f"ext-{i}", "--port", str(port)], env=env))
-            for url in urls:
-                _wait_http(url + "/health", self.procs, 300)
+        new = []
+        for _ in range(n):
             port = _free_port()
-            self.procs.append(subprocess.Popen([sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1",
-                                                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]))
-            base = f"http://127.0.0.1:{port}"
-            _wait_http(base + "/v1/models", self.procs, 120)
-            warm_up(base, self.args.replicas)
+            new.append(f"http://127.0.0.1:{port}")
+            self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags, "--replica-id",
+                                                f"ext-{len(self.urls) + len(new) - 1}", "--port", str(port)], env=self._env()))
+        self.urls += new
+        for url in new:
+            _wait_http(url + "/health", self.procs, 300)
+        return new
+
+    def start(self, router: str) -> dict[str, Any]:
+        self.close()
+        try:
+            urls = self._start_replicas(self.args.replicas - self.args.add_replicas)
+            port = _free_port()
+            self.router_proc = subprocess.Popen([sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1",
+                                                 "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls])
+            self.router, self.base_url = router, f"http://127.0.0.1:{port}"
+            _wait_http(self.base_url + "/v1/models", [*self.procs, self.router_proc], 120)
+            warm_up(self.base_url, len(urls))
         except BaseException:
             self.close()
             raise
-        return {"fleet": self.kind, "base_url": base, "worker_urls": urls}
+        return {"fleet": self.kind, "base_url": self.base_url, "worker_urls": list(urls)}
 
     def counters(self) -> None:
         return None
@@ -404,16 +442,36 @@ class ExternalFleet:
             _wait_http(url + "/health", self.procs, 300)
         return killed
 
+    def add_replicas(self, n: int) -> list[str]:
+        """``n`` new processes, registered with the running router through its
+        worker API; returns once the router lists them."""
+        import httpx
+
+        new = self._start_replicas(n)
+        for url in new:
+            path, kw = _ADD_WORKER[self.router](url)
+            r = httpx.post(self.base_url + path, timeout=60, **kw)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{self.router} refused worker {url}: {r.status_code} {r.text[:200]}")
+
+        def listed() -> bool:
+            text = httpx.get(self.base_url + ("/workers" if self.router == "sglang_router" else "/list_workers"), timeout=30).text
+            return all(url in text for url in new)
+
+        wait_until(listed, 60, f"{self.router} did not list the new workers {new}")
+        return new
+
     def _env(self) -> dict[str, str]:
         return {**os.environ, "OMP_NUM_THREADS": str(self.args.torch_threads)}
 
     def close(self) -> None:
-        for p in reversed(self.procs):
+        procs = [p for p in (self.router_proc, *self.procs) if p is not None]
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
-        for p in reversed(self.procs):
+        for p in procs:
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        self.procs = []
+        self.procs, self.urls, self.router_proc = [], [], None

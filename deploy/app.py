@@ -262,12 +262,15 @@ def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
 
 
 def compose_app(
-    args: Union[dict[str, Any], AppArgs], *, engine_version: Optional[str] = None, **ingress_options: Any
+    args: Union[dict[str, Any], AppArgs], *, engine_version: Optional[str] = None, ingress_version: Optional[str] = None,
+    **ingress_options: Any,
 ) -> serve.Application:
-    """The application :func:`build_app` builds, with two options for programs that
+    """The application :func:`build_app` builds, with options for programs that
     redeploy one application: ``engine_version`` pins the engine deployment's Serve
-    version (``replica_version``: a router swap then keeps the replicas), and
-    ``ingress_options`` go to the ingress deployment's ``.options``."""
+    version (``replica_version``: a router swap or a new replica count then keeps the
+    replicas), ``ingress_version`` the ingress's (a redeploy with the same one keeps the
+    ingress and the requests in flight through it), and ``ingress_options`` go to the
+    ingress deployment's ``.options``."""
     parsed = parse_args(args).model_copy(deep=True)
     if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
         parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
@@ -280,4 +283,6 @@ def compose_app(
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
         **ingress_options,
     )
+    if ingress_version is not None:  # (Ray 2.60: version is an internal option, see build_engine_deployment)
+        ingress = ingress.options(_internal=True, version=ingress_version)
     return ingress.bind(parsed.model_dump(), config, engines)

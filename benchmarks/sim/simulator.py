@@ -29,7 +29,7 @@ from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 
-_ARRIVAL, _STEP_END, _EVENTS = 0, 1, 2
+_ARRIVAL, _STEP_END, _EVENTS, _JOIN = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,14 @@ class SimConfig:
     event_delay_s: float = 0.0
     pending_ttl_s: float = 5.0
     hash_seed: int = 0
+    joining_replicas: int = 0  # scale-out: the last ones of num_replicas join (empty) at join_at_s
+    join_at_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if not 0 <= self.joining_replicas < self.num_replicas:
+            raise ValueError(f"joining_replicas must be in [0, num_replicas), got {self.joining_replicas}")
         if self.event_delay_s < 0:
             raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
 
@@ -89,7 +93,7 @@ class Simulation:
         self.router = router_factory(
             policy, config.block_size, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now, **policy_kwargs
         )
-        for rid in self.replicas:
+        for rid in list(self.replicas)[: config.num_replicas - config.joining_replicas]:
             self.router.add_replica(rid, config.kv_blocks)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
@@ -109,6 +113,8 @@ class Simulation:
                 self._push(spec.arrival_s, _ARRIVAL, spec)
             else:
                 self._dependents.setdefault(spec.after, []).append(spec)
+        if self.config.joining_replicas:
+            self._push(self.config.join_at_s, _JOIN, list(self.replicas)[-self.config.joining_replicas :])
         while self._heap:
             t, _, kind, payload = heapq.heappop(self._heap)
             self.now = t
@@ -116,6 +122,9 @@ class Simulation:
                 self._arrive(payload)
             elif kind == _STEP_END:
                 self._step_end(payload)
+            elif kind == _JOIN:
+                for rid in payload:
+                    self.router.add_replica(rid, self.config.kv_blocks)
             else:
                 self._deliver(payload)
         return self.metrics()

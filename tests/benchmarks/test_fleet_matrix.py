@@ -70,3 +70,20 @@ def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_c
         assert run["completed"] + run["failed"] == len(workload)
         if row["router"] == "kvroute":  # a stream cut by the kill resumes on another replica: none lost
             assert run["failed"] == 0 and run["total_output_tokens"] == workload.output_tokens
+
+
+def test_the_scale_out_scenario_grows_the_fleet_mid_run(ray_cluster, tmp_path, capsys):
+    routers = ["kvroute"] + [r for r in ["sglang_router"] if external_available(r)]
+    out = tmp_path / "scale-out"
+    assert _run_matrix(ray_cluster, out, "scale-out", routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
+    matrix = json.loads((out / "matrix.json").read_text())
+    workload = fleet_matrix.workload_of("scale-out", 0.05, 0.2, 0)
+    for row in matrix["rows"]:
+        run = json.loads((out / "scale-out" / f"{row['run']}.json").read_text())
+        assert len(run["added_replicas"]) == 1, run  # a quarter of 4 joins at mid-run
+        assert run["failed"] == 0 and run["total_output_tokens"] == workload.output_tokens
+        if row["router"] == "kvroute":  # 3 replicas at the start, the 4th registered and counted
+            assert len(run["replica_ids"]) == 3 and len(run["per_replica"]) == 4
+            assert run["added_replicas"][0] in run["per_replica"]
+        else:
+            assert len(run["worker_urls"]) == 3 and run["added_replicas"][0] not in run["worker_urls"]

@@ -1,5 +1,6 @@
 """The policy simulator and the workload generators (CPU, fast)."""
 
+import dataclasses
 import json
 import statistics
 
@@ -40,6 +41,20 @@ def test_counts_add_up_and_no_block_leaks(policy):
     assert m["leaked_blocks"] == 0
     assert sum(m["requests_per_replica"].values()) == 32
     assert 0 <= m["hit_rate"] <= 1 and m["ttft_p50_s"] > 0
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "cache_aware_sglang"])
+def test_a_joining_replica_takes_requests_only_after_it_joins(policy):
+    wl = small_gsp()
+    join_at = sorted(r.arrival_s for r in wl.requests)[len(wl) // 2]
+    sim = Simulation(wl, policy, gpu_h100_llama3_8b(), dataclasses.replace(CFG, joining_replicas=1, join_at_s=join_at))
+    m = sim.run()
+    assert m["completed"] == len(wl) and m["leaked_blocks"] == 0
+    assert all(s.replica_id != "r2" for s in sim.done if s.arrival_s < join_at)
+    if policy == "round_robin":  # it does get work once it is there
+        assert any(s.replica_id == "r2" for s in sim.done)
+    with pytest.raises(ValueError, match="joining_replicas"):
+        SimConfig(num_replicas=2, joining_replicas=2)
 
 
 def test_oracle_hits_at_least_round_robin():
