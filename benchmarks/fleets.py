@@ -381,7 +381,8 @@ class ExternalFleet:
     vLLM's router in front, started afresh for every run (cold caches)."""
 
     kind = "serve-replica processes"
-    _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale")
+    _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale",
+                  "host_kv_blocks")
 
     def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         self.args = args

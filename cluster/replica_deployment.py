@@ -121,8 +121,10 @@ class EngineReplica:
             self._changed.set()
 
     async def _register(self) -> None:
-        hashes, load, seq = await self.engine.cache_snapshot(self.publisher.snapshot_seq)
-        await self._router.register.remote(self.replica_id, self.engine.hash_spec, self.engine.num_kv_blocks, hashes, seq, load)
+        e = self.engine
+        hashes, host_hashes, load, seq = await e.cache_snapshot(self.publisher.snapshot_seq)
+        await self._router.register.remote(self.replica_id, e.hash_spec, e.num_kv_blocks, hashes, seq, load,
+                                           e.num_host_kv_blocks, host_hashes)  # fmt: skip
         self._registered = True
         self.counters["registrations"] += 1
 

@@ -68,8 +68,11 @@ class RouterService:
         block_hashes: Sequence[BlockHash],
         seq: int,
         load: LoadFigures | None = None,
+        host_capacity_blocks: int = 0,
+        host_hashes: Sequence[BlockHash] = (),
     ) -> None:
-        """Add (or refresh) a replica with a snapshot of its cache as of event ``seq``."""
+        """Add (or refresh) a replica with a snapshot of its cache (both tiers) as of
+        event ``seq``."""
         if hash_spec != self.hash_spec:
             raise ValueError(
                 f"replica {replica_id} hashes blocks with {hash_spec}, but this router expects "
@@ -77,8 +80,8 @@ class RouterService:
                 "block_size and hash_seed"
             )
         if replica_id not in self.router.directory:
-            self.router.add_replica(replica_id, capacity_blocks)
-        self.router.apply_snapshot(replica_id, block_hashes, seq, load)
+            self.router.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
+        self.router.apply_snapshot(replica_id, block_hashes, seq, load, host_hashes)
         self._last_seen[replica_id] = self.clock()
         self.counters["registrations"] += 1
 

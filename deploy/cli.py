@@ -26,6 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(replica/profiles.py: gpu_h100_llama3_8b, cpu_measured); tokens are deterministic",
     )  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, help="with --emulate: stretch every step's time by this factor")
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="a host-memory KV tier of this many blocks behind the device cache (0: none)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,6 +41,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         emulate=args.emulate,
         time_scale=args.time_scale,
+        host_kv_blocks=args.host_kv_blocks,
     )
 
 

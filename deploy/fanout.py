@@ -52,6 +52,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
@@ -63,6 +64,7 @@ class Choice:
     def absorb(self, delta: TokenDelta) -> None:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_host_cached_tokens = delta.num_host_cached_tokens
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         if delta.logprobs:

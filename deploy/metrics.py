@@ -21,11 +21,14 @@ _GAUGES = (
     ("vllm:num_requests_running", "num_running", "Requests in the engine's running batch."),
     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
+    ("kvroute:host_kv_cached_blocks", "num_host_cached_blocks", "Blocks held in the host KV tier."),
 )
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("vllm:num_preemptions", "num_preemptions", "Requests preempted (recomputed) under KV pressure."),
+    ("kvroute:prefix_cache_host_hits", "prefix_cache_host_hits",
+     "Prompt tokens restored from the host KV tier (also counted in vllm:prefix_cache_hits)."),
 )
 _HISTOGRAMS = (
     ("vllm:time_to_first_token_seconds", "ttft_s", "Time to first token, at the replica."),

@@ -43,12 +43,16 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     # n choices of one prompt run as n engine requests; the prompt's cache hit is what
     # every one of them found cached.
     cached = sum(min(c.num_cached_tokens for c in cs) for cs in by_prompt.values())
+    details: dict[str, int] = {"cached_tokens": cached}
+    host = sum(min(c.num_host_cached_tokens for c in cs) for cs in by_prompt.values())
+    if host:  # a replica with a host KV tier restored part of the cached tokens from it
+        details["host_cached_tokens"] = host
     completion = sum(len(c.token_ids) for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 

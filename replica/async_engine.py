@@ -136,10 +136,16 @@ class AsyncEngine:
     def num_kv_blocks(self) -> int:
         return self.engine.kv.num_blocks
 
-    async def cache_snapshot(self, also: Callable[[], T]) -> tuple[list[BlockHash], LoadFigures, T]:
-        """The cached block hashes, the load figures and ``also()``, all as of one step
-        boundary (a replica registers with them, ``also`` naming its event sequence)."""
-        return await self.between_steps(lambda: (self.engine.cached_block_hashes(), self.engine.load(), also()))
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.engine.config.host_kv_blocks
+
+    async def cache_snapshot(self, also: Callable[[], T]) -> tuple[list[BlockHash], list[BlockHash], LoadFigures, T]:
+        """The cached block hashes (device, then host tier), the load figures and
+        ``also()``, all as of one step boundary (a replica registers with them, ``also``
+        naming its event sequence)."""
+        e = self.engine
+        return await self.between_steps(lambda: (e.cached_block_hashes(), e.host_block_hashes(), e.load(), also()))
 
     async def debug_state(self) -> dict[str, Any]:
         """The engine's exact cache and block state, as of a step boundary."""

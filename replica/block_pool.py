@@ -9,7 +9,10 @@ A block is in exactly one of three states:
 The free queue is ordered least recently used first. New blocks are taken from its
 front; taking a cached block evicts it from the hash table. Freed requests return their
 blocks tail-first, so the end of a prefix chain is evicted before its beginning (a
-block is only useful while its parents are cached).
+block is only useful while its parents are cached). With a host tier
+(``replica/host_tier.py``) an evicted block is offloaded instead of dropped: the pool
+records the device -> host copy, which the runner performs before the step that reuses
+the device block writes to it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, NewType, Sequence
 
 from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.host_tier import HostTier
 
 BlockId = NewType("BlockId", int)
 
@@ -40,11 +44,13 @@ class Block:
 class BlockPool:
     """Physical blocks plus the prefix-cache hash table and its KV events."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, host: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.host = host
+        self.offloads: list[tuple[BlockId, int]] = []  # (device block, host block) copies due this step
         self.blocks = [Block(BlockId(i)) for i in range(num_blocks)]
         # block_id -> None, front = least recently used = next to be reused.
         self._free: OrderedDict[BlockId, None] = OrderedDict((b.block_id, None) for b in self.blocks)
@@ -155,6 +161,10 @@ class BlockPool:
             return
         del self._cached[block.block_hash]
         self._note(block.block_hash, False)
+        if self.host is not None:
+            host_id = self.host.offload(block.block_hash, block.token_ids)
+            if host_id is not None:
+                self.offloads.append((block.block_id, host_id))
         block.block_hash = None
         block.token_ids = ()
 

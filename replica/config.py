@@ -22,6 +22,10 @@ class EngineConfig:
     then runs no model (``replica/emulated.py``): only the checkpoint's config and
     tokenizer are read, the KV cache defaults to the profile's capacity and the context
     length to the profile's, and every step takes the profile's time × ``time_scale``.
+
+    ``host_kv_blocks``: a host-memory tier of that many blocks behind the device cache
+    (``replica/host_tier.py``): evicted prefix blocks are offloaded there and restored
+    by a copy instead of a recompute. 0: none.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -42,6 +46,7 @@ class EngineConfig:
     replica_id: str = "replica-0"
     emulate: str | None = None
     time_scale: float = 1.0
+    host_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -70,6 +75,10 @@ class EngineConfig:
             from kvroute.replica.profiles import get_profile
 
             get_profile(self.emulate)  # ValueError naming the known profiles
+        if self.host_kv_blocks < 0:
+            raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
+        if self.host_kv_blocks and not self.enable_prefix_caching:
+            raise ValueError("host_kv_blocks needs enable_prefix_caching (the host tier holds prefix blocks)")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
         if self.time_scale != 1.0 and self.emulate is None:

@@ -25,7 +25,8 @@ _FIRST_ORDINARY_ID = 1000  # ids below this are special tokens in the tokenizers
 
 def step_seconds(profile: StepProfile, sched: Any) -> float:
     """The profile's time for one scheduled step (``SchedulerOutput``): its prefill
-    tokens, its decode rows, and the KV context those rows read."""
+    tokens, its decode rows, the KV context those rows read, and the host-tier blocks
+    it restores first (offloads overlap the step: not charged)."""
     prefill = decode = ctx = 0
     for row in sched.rows:
         if row.num_computed < row.request.num_prompt_tokens:
@@ -33,7 +34,7 @@ def step_seconds(profile: StepProfile, sched: Any) -> float:
         else:
             decode += 1
             ctx += row.num_computed + row.num_new
-    return profile.step_time(prefill, decode, ctx)
+    return profile.step_time(prefill, decode, ctx) + profile.restore_time(sched.restored_tokens)
 
 
 class EmulatedModel:
@@ -58,12 +59,14 @@ class EmulatedModel:
         self.avoid_ids = avoid_ids
         self._clock, self._sleep = clock, sleep
         self.emulated_s = 0.0  # the profile's seconds of every step so far (unscaled)
+        self.last_restore_s = 0.0  # the last step's host-tier restores, scaled (as the engine times its steps)
 
     def execute(self, sched: Any) -> None:
         """Take the step's emulated time (from now: the scheduling before it is the
         host's own cost, as on a GPU where the CPU prepares the next step)."""
         start = self._clock()
         seconds = step_seconds(self.profile, sched)
+        self.last_restore_s = self.profile.restore_time(sched.restored_tokens) * self.time_scale
         self.emulated_s += seconds
         left = seconds * self.time_scale - (self._clock() - start)
         if left > 0:

@@ -34,8 +34,11 @@ class EngineStats(LoadFigures):
 
     num_kv_blocks: int = 0
     num_free_blocks: int = 0
+    num_host_kv_blocks: int = 0
+    num_host_cached_blocks: int = 0
     prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_hits: int = 0  # either tier
+    prefix_cache_host_hits: int = 0
     num_preemptions: int = 0
     max_batch_size: int = 0
     block_ref_counts: list[int] = field(repr=False, default_factory=list)
@@ -72,7 +75,7 @@ class Engine:
             self.runner = self.sampler = EmulatedModel(profile, self.arch.vocab_size, self.eos_token_ids, config.time_scale)
         else:
             num_blocks = self._load_model(config)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, config.host_kv_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned
@@ -96,7 +99,8 @@ class Engine:
             1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
         )
         graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
-        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes)
+        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes,
+                                  config.host_kv_blocks)  # fmt: skip
         self.sampler = Sampler(config.seed)
         return num_blocks
 
@@ -212,6 +216,8 @@ class Engine:
         if not sched.empty:
             t0 = time.perf_counter()
             logits = self.runner.execute(sched)
+            if sched.copies.restores:
+                self.telemetry.observe_restores(sched.restored_tokens, self.runner.last_restore_s)
             self.scheduler.update_after_step(sched)
             sampling_rows = [r for r in sched.rows if r.samples]
             if sampling_rows:
@@ -265,6 +271,7 @@ class Engine:
             req.num_prompt_tokens,
             max(req.num_cached_tokens, 0),
             stop_reason,
+            req.num_host_cached_tokens,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -278,8 +285,11 @@ class Engine:
             **vars(self.telemetry.load()),
             num_kv_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
+            num_host_kv_blocks=self.config.host_kv_blocks,
+            num_host_cached_blocks=len(self.kv.host or ()),
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            prefix_cache_host_hits=self.kv.host_hits,
             num_preemptions=s.num_preemptions,
             max_batch_size=s.max_batch_size,
             block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks] if with_ref_counts else [],
@@ -287,6 +297,9 @@ class Engine:
 
     def cached_block_hashes(self) -> list[BlockHash]:
         return self.kv.cached_block_hashes()
+
+    def host_block_hashes(self) -> list[BlockHash]:
+        return self.kv.host_block_hashes()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -28,6 +28,7 @@ class LoadFigures:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     route_ticket: int = 0
+    host_restore_tokens_per_s: float = 0.0  # measured host -> device KV copy rate (0: no host tier or not yet)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class KVEvents:
 
     ``stored`` and ``removed`` are disjoint: a hash stored and evicted within the same
     batch (or the reverse) cancels out, so applying ``cleared`` first, then ``removed``,
-    then ``stored`` in any order reproduces the replica's cache exactly.
+    then ``stored`` in any order reproduces the replica's cache exactly. The same holds
+    for the host tier's ``host_stored``/``host_removed`` (``cleared`` empties both
+    tiers). A block may be in both tiers at once (the host tier is inclusive).
     """
 
     replica_id: str
@@ -45,7 +48,9 @@ class KVEvents:
     removed: list[BlockHash] = field(default_factory=list)
     cleared: bool = False
     load: LoadFigures | None = None
+    host_stored: list[BlockHash] = field(default_factory=list)
+    host_removed: list[BlockHash] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.stored or self.removed or self.cleared)
+        return not (self.stored or self.removed or self.cleared or self.host_stored or self.host_removed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -67,6 +68,7 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
+        host_blocks: int = 0,
     ) -> None:
         self.arch, self.device, self.dtype = arch, device, dtype
         if device.type == "cpu":
@@ -88,6 +90,12 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        # the host tier's bytes, block-major (one block's layers together); pinned on CUDA
+        self.host_kv = None
+        if host_blocks:
+            shape = (host_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
+            self.host_kv = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.last_restore_s = 0.0
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_sizes and device.type == "cuda" and ops.uses_triton(device):
@@ -99,10 +107,30 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
+    def copy_blocks(self, step: SchedulerOutput) -> None:
+        """The step's host-tier copies, before its forward pass: evicted blocks out to
+        host memory, then host hits back into their new device blocks. (On CUDA both
+        go in one batched copy each way; they are synchronous for now.)"""
+        offloads, restores = step.copies
+        if offloads:
+            dev = torch.tensor([d for d, _ in offloads], device=self.device)
+            host = torch.tensor([h for _, h in offloads])
+            self.host_kv.index_copy_(0, host, self.kv_cache.index_select(2, dev).movedim(2, 0).to("cpu"))
+        if restores:
+            t0 = time.perf_counter()
+            host = torch.tensor([h for h, _ in restores])
+            dev = torch.tensor([d for _, d in restores], device=self.device)
+            self.kv_cache.index_copy_(2, dev, self.host_kv.index_select(0, host).to(self.device).movedim(0, 2))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.last_restore_s = time.perf_counter() - t0
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns float32 logits ``[num_sampling_rows, vocab]`` for the rows
         whose chunk reaches their last known token, in row order."""
+        if step.copies:
+            self.copy_blocks(step)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -32,8 +32,9 @@ class TokenDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # both tiers
     stop_reason: str | int | None = None
+    num_host_cached_tokens: int = 0  # of which restored from the host tier
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
 
     @property
@@ -65,3 +67,4 @@ class RequestOutput:
         self.stop_reason = delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_host_cached_tokens = delta.num_host_cached_tokens

@@ -38,7 +38,8 @@ class Request:
     token_ids: list[int] = field(init=False)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_computed_tokens: int = field(init=False, default=0)
-    num_cached_tokens: int = field(init=False, default=-1)  # set at first admission
+    num_cached_tokens: int = field(init=False, default=-1)  # set at first admission (both tiers)
+    num_host_cached_tokens: int = field(init=False, default=0)  # of which restored from the host tier
     num_preemptions: int = field(init=False, default=0)
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
     logprobs: list[TokenLogprob] | None = field(init=False, default=None)

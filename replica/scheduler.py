@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: one mixed batch of prefill chunks and decodes per step.
 
-Rules (ARCHITECTURE.md §4): admission counts cached blocks; the token budget and
+Rules (ARCHITECTURE.md §4): admission counts cached blocks (host-tier hits too: they
+are restored by a copy before the step, not recomputed); the token budget and
 ``max_num_seqs`` are charged only for tokens that will be computed; only the blocks a
 step's chunk needs are allocated; a non-final prefill chunk ends on a page boundary
 (page-aligned prefill); the last prompt token is always computed; under KV pressure the
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.kv_cache_manager import CopyPlan, HostHit, KVCacheManager
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request, RequestStatus
 
@@ -36,6 +37,13 @@ class ScheduledRequest:
 class SchedulerOutput:
     rows: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[RequestId] = field(default_factory=list)
+    # KV copies to perform before the forward pass (host tier): offloads, then restores
+    copies: CopyPlan = field(default_factory=lambda: CopyPlan([], []))
+    block_size: int = 16
+
+    @property
+    def restored_tokens(self) -> int:
+        return len(self.copies.restores) * self.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +117,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # request, num_computed, num_new
 
@@ -139,6 +147,7 @@ class Scheduler:
             out.rows.append(
                 ScheduledRequest(req, num_computed, num_new, tuple(self.kv.block_ids(req.request_id)))
             )
+        out.copies = self.kv.take_copies()
         self.max_batch_size = max(self.max_batch_size, len(out.rows))
         return out
 
@@ -159,7 +168,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-                self.kv.record_query(req.num_prompt_tokens, num_hit)
+                req.num_host_cached_tokens = sum(isinstance(h, HostHit) for h in hits) * self.block_size
+                self.kv.record_query(req.num_prompt_tokens, num_hit, req.num_host_cached_tokens)
             self.running.append(req)
             scheduled.append((req, num_hit, num_new))
             budget -= num_new

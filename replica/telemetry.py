@@ -19,6 +19,7 @@ class ReplicaTelemetry:
         self.seq = 0
         self.prefill_tokens_per_s = 0.0
         self.decode_step_s = 0.0
+        self.host_restore_tokens_per_s = 0.0
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
         """Fold one step's duration into the prefill rate (steps with prefill) or the
@@ -31,6 +32,12 @@ class ReplicaTelemetry:
             old = self.decode_step_s
             self.decode_step_s = seconds if not old else (1 - _EMA) * old + _EMA * seconds
 
+    def observe_restores(self, tokens: int, seconds: float) -> None:
+        """Fold one step's host -> device copies into the restore rate."""
+        if tokens and seconds > 0:
+            rate, old = tokens / seconds, self.host_restore_tokens_per_s
+            self.host_restore_tokens_per_s = rate if not old else (1 - _EMA) * old + _EMA * rate
+
     def load(self) -> LoadFigures:
         s = self.scheduler
         return LoadFigures(
@@ -41,10 +48,13 @@ class ReplicaTelemetry:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_step_s=self.decode_step_s,
             route_ticket=s.route_ticket,
+            host_restore_tokens_per_s=self.host_restore_tokens_per_s,
         )
 
     def events(self) -> KVEvents:
         """The step's net cache changes, numbered one after the last batch."""
         stored, removed, cleared = self.kv.take_events()
+        host_stored, host_removed, host_cleared = self.kv.take_host_events()
         self.seq += 1
-        return KVEvents(self.replica_id, self.seq, stored, removed, cleared, self.load())
+        return KVEvents(self.replica_id, self.seq, stored, removed, cleared or host_cleared, self.load(),
+                        host_stored, host_removed)  # fmt: skip

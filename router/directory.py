@@ -19,6 +19,11 @@ ARCHITECTURE.md) a replica's blocks of a request stay a leading run. States that
 closure (a hole left by a lost event, a pending tail that outlives its head's TTL) are
 transient; for them a depth may count blocks past the hole.
 
+A replica with a host tier (``EngineConfig.host_kv_blocks``) has a second confirmed
+index, fed by its events' ``host_stored``/``host_removed`` and bounded by its host
+capacity: ``host_depths`` gives, past each candidate's device match, how many more
+leading blocks its host tier holds (a restore away instead of a recompute).
+
 Candidates are resolved once per candidate set (``select``) and the selection reused
 until membership changes: the ``Router`` keeps those selections.
 
@@ -41,13 +46,14 @@ from kvroute.router.types import ReplicaId
 
 
 class _Replica:
-    __slots__ = ("rid", "bit", "confirmed", "pending")
+    __slots__ = ("rid", "bit", "confirmed", "pending", "host")
 
-    def __init__(self, rid: ReplicaId, bit: int, confirmed: Confirmed) -> None:
+    def __init__(self, rid: ReplicaId, bit: int, confirmed: Confirmed, host: Confirmed | None) -> None:
         self.rid = rid
         self.bit = bit
         self.confirmed = confirmed
         self.pending = RunSet(confirmed.mask)
+        self.host = host  # its host tier's confirmed entries (None: no host tier)
 
     @property
     def room(self) -> int:
@@ -81,13 +87,14 @@ class BlockDirectory:
         self.pending_ttl_s = pending_ttl_s
         self.clock = clock
         self._confirmed = ConfirmedIndex()
+        self._host = ConfirmedIndex()  # the replicas' host tiers
         self._pending = PendingRuns()
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
 
     # ------------------------------------------------------------------ membership
-    def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
+    def add_replica(self, replica_id: str, capacity_blocks: int, host_capacity_blocks: int = 0) -> None:
         if replica_id in self._replicas:
             raise ValueError(f"replica {replica_id!r} is already in the directory")
         if capacity_blocks < 1:
@@ -98,11 +105,14 @@ class BlockDirectory:
         else:
             bit, self._next_bit = self._next_bit, self._next_bit + 1
         rid = ReplicaId(replica_id)
-        self._replicas[rid] = _Replica(rid, bit, self._confirmed.add(bit, capacity_blocks))
+        host = self._host.add(bit, host_capacity_blocks) if host_capacity_blocks > 0 else None
+        self._replicas[rid] = _Replica(rid, bit, self._confirmed.add(bit, capacity_blocks), host)
 
     def remove_replica(self, replica_id: str) -> None:
         rep = self._get(replica_id)
         self._confirmed.forget(rep.confirmed)
+        if rep.host is not None:
+            self._host.forget(rep.host)
         self._pending.drop_all(rep.pending)
         del self._replicas[rep.rid]
         self._free_bits.append(rep.bit)
@@ -125,20 +135,29 @@ class BlockDirectory:
 
     # ------------------------------------------------------------------ events
     def apply(
-        self, replica_id: str, seq: int, stored: Sequence[BlockHash], removed: Iterable[BlockHash], cleared: bool
+        self, replica_id: str, seq: int, stored: Sequence[BlockHash], removed: Iterable[BlockHash], cleared: bool,
+        host_stored: Sequence[BlockHash] = (), host_removed: Iterable[BlockHash] = (),
     ) -> bool:
-        """Apply one event batch. False when the replica is (now) stale and it was not applied."""
+        """Apply one event batch (device and host tier, one ``seq``). False when the
+        replica is (now) stale and it was not applied."""
         rep = self._get(replica_id)
         applied = self._confirmed.apply(rep.confirmed, seq, stored, removed, cleared)
         if applied is Applied.NEW and stored:
             self._pending.confirm(rep.pending, stored)  # a run's last block: all of it is confirmed
+        if rep.host is not None:
+            self._host.apply(rep.host, seq, host_stored, host_removed, cleared)
         return applied is not Applied.STALE
 
-    def apply_snapshot(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
-        """Replace the replica's confirmed entries by exactly ``block_hashes`` (given
-        oldest first, as far as the caller knows), as of event ``seq``; clears stale.
-        Pending runs are left to their TTL."""
-        self._confirmed.apply_snapshot(self._get(replica_id).confirmed, block_hashes, seq)
+    def apply_snapshot(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int, host_hashes: Sequence[BlockHash] = ()
+    ) -> None:
+        """Replace the replica's confirmed entries by exactly ``block_hashes`` (and its
+        host tier's by ``host_hashes``; each given oldest first, as far as the caller
+        knows), as of event ``seq``; clears stale. Pending runs are left to their TTL."""
+        rep = self._get(replica_id)
+        self._confirmed.apply_snapshot(rep.confirmed, block_hashes, seq)
+        if rep.host is not None:
+            self._host.apply_snapshot(rep.host, host_hashes, seq)
 
     def is_stale(self, replica_id: str) -> bool:
         return self._get(replica_id).confirmed.stale
@@ -206,6 +225,30 @@ class BlockDirectory:
         for m, d in depth.items():
             out[pos[m]] = d
         return out
+
+    def host_depths(self, block_hashes: Sequence[BlockHash], selection: Selection, depths: Sequence[int]) -> list[int] | None:
+        """For each of the selection's replicas, how many blocks past ``depths[i]`` (its
+        device match) its host tier holds in a row; None when no candidate has a host
+        tier entry (the common case costs one pass over the candidates)."""
+        reps = selection.replicas
+        if not any(rep.host is not None and rep.host.lru for rep in reps):
+            return None
+        out = [0] * len(reps)
+        n = len(block_hashes)
+        for i, rep in enumerate(reps):
+            if rep.host is None or not rep.host.lru:
+                continue
+            lru, d = rep.host.lru, depths[i]
+            j = d
+            while j < n and block_hashes[j] in lru:
+                j += 1
+            out[i] = j - d
+        return out
+
+    def host_confirmed(self, replica_id: str) -> list[BlockHash]:
+        """The replica's host-tier entries, least recently stored/touched first."""
+        host = self._get(replica_id).host
+        return [] if host is None else [BlockHash(h) for h in host.lru]
 
     def owners(self, block_hash: BlockHash) -> list[ReplicaId]:
         """Replicas holding the block, confirmed or in a live pending run."""

@@ -95,8 +95,8 @@ class Router:
         self._sets: dict[tuple[ReplicaId, ...], _CandidateSet] = {}  # resolved candidate sets, by value
 
     # ------------------------------------------------------------------ membership
-    def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
-        self.directory.add_replica(replica_id, capacity_blocks)
+    def add_replica(self, replica_id: str, capacity_blocks: int, host_capacity_blocks: int = 0) -> None:
+        self.directory.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
         self.loads.add_replica(replica_id, capacity_blocks)
         self._all = tuple(self.directory.replicas())
         self._sets.clear()
@@ -122,19 +122,21 @@ class Router:
             return True
         if events.load is not None:
             self.loads.report(rid, events.load)
-        ok = self.directory.apply(rid, events.seq, events.stored, events.removed, events.cleared)
+        ok = self.directory.apply(rid, events.seq, events.stored, events.removed, events.cleared,
+                                  events.host_stored, events.host_removed)  # fmt: skip
         if ok:
             self._events_applied += 1
-            self._block_updates += len(events.stored) + len(events.removed)
+            self._block_updates += len(events.stored) + len(events.removed) + len(events.host_stored) + len(events.host_removed)
         else:
             self._events_gap += 1
         return ok
 
     def apply_snapshot(
-        self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int, load: LoadFigures | None = None
+        self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int, load: LoadFigures | None = None,
+        host_hashes: Sequence[BlockHash] = (),
     ) -> None:
-        """Replace the replica's entries by its full cache as of event ``seq``."""
-        self.directory.apply_snapshot(replica_id, block_hashes, seq)
+        """Replace the replica's entries by its full cache (both tiers) as of event ``seq``."""
+        self.directory.apply_snapshot(replica_id, block_hashes, seq, host_hashes)
         if load is not None:
             self.loads.report(replica_id, load)
 
@@ -191,9 +193,13 @@ class Router:
     def _table(self, block_hashes: Sequence[BlockHash], cs: "_CandidateSet") -> CandidateTable:
         depths = self.directory.match_depths(block_hashes, cs.directory)
         rooms, selection = self.directory.cache_rooms, cs.directory
-        return CandidateTable(
+        table = CandidateTable(
             cs.ids, depths, *self.loads.columns(cs.loads), lambda positions: rooms(selection, positions)
         )
+        table.host_depth = self.directory.host_depths(block_hashes, selection, depths)
+        if table.host_depth is not None:
+            table.host_rate = [self.loads.figures(rid).host_restore_tokens_per_s for rid in cs.ids]
+        return table
 
     def _candidate_set(self, candidates: Sequence[str] | None) -> "_CandidateSet":
         """``candidates`` resolved against the directory and the load view, kept by

@@ -83,11 +83,13 @@ class CandidateTable:
     no candidate lacks a rate or a decode step time (else the policy fills them in).
     ``room(positions)`` gives the blocks of room left in those candidates' caches
     (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
+    ``host_depth[i]``: blocks past ``depth[i]`` that candidate ``i``'s host tier holds
+    (None: no candidate has any), restored at ``host_rate[i]`` tokens/s (0: unmeasured).
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
-        "backlog", "free_blocks", "measured", "room",
+        "backlog", "free_blocks", "measured", "room", "host_depth", "host_rate",
     )  # fmt: skip
 
     def __init__(
@@ -117,6 +119,8 @@ class CandidateTable:
         self.free_blocks = free_blocks
         self.measured = measured
         self.room = room
+        self.host_depth: Sequence[int] | None = None
+        self.host_rate: Sequence[float] = ()
 
     @classmethod
     def from_loads(

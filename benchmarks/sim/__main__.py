@@ -14,6 +14,7 @@ summary line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -62,7 +63,7 @@ def parse_workloads(spec: str, args: argparse.Namespace) -> list[tuple[str, argp
         for o in opts:
             key, _, val = o.partition("=")
             key = key.replace("-", "_")
-            if key not in ("scale", "len_scale", "kv_blocks", "kv_fraction"):
+            if key not in ("scale", "len_scale", "kv_blocks", "kv_fraction", "host_kv_factor"):
                 raise ValueError(f"unknown per-workload option {key!r} in {item!r}")
             setattr(a, key, type(getattr(args, key))(val))
         out.append((name, a))
@@ -79,6 +80,7 @@ def run_workload(name: str, args: argparse.Namespace, cost: StepProfile, policie
         max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay,
     )
+    cfg = dataclasses.replace(cfg, host_kv_blocks=round(args.host_kv_factor * cfg.kv_blocks))
     cap = estimate_capacity(base, cost, cfg)
     if args.rates:
         rates = [float(x) for x in args.rates.split(",")]
@@ -95,7 +97,7 @@ def run_workload(name: str, args: argparse.Namespace, cost: StepProfile, policie
             if args.verbose:
                 print(
                     f"  {name} rate={rate:.2f} {pol:22s} hit={m['hit_rate']:.3f} p90={m['ttft_p90_s']:.3f}s "
-                    f"p99={m['ttft_p99_s']:.3f}s tput={m['output_tokens_per_s']:.0f} err={m['pred_cached_err']:.3f} "
+                    f"p99={m['ttft_p99_s']:.3f}s host={m['host_hit_rate']:.3f} tput={m['output_tokens_per_s']:.0f} err={m['pred_cached_err']:.3f} "
                     f"done={m['completed']}/{m['num_requests']} ({m['wall_s']}s)",
                     file=sys.stderr,
                 )
@@ -198,6 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (this engine measured on an H100, Llama-3-8B shape) or cpu (measured)")
     p.add_argument("--kv-blocks", type=int, default=0, help="per-replica KV blocks (default: from hardware / workload)")
     p.add_argument("--kv-fraction", type=float, default=0.0, help="size KV so shared prefixes fill this fraction of the fleet (b2b: 0.73)")
+    p.add_argument("--host-kv-factor", type=float, default=0.0,
+                   help="a host tier of this many times each replica's device KV blocks (0: none)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -58,11 +58,12 @@ class SimReplica:
         hash_spec: HashSpec,
         cost: StepProfile,
         sched_config: SchedulerConfig,
+        host_blocks: int = 0,
     ) -> None:
         self.replica_id = replica_id
         self.hash_spec = hash_spec
         self.cost = cost
-        self.kv = KVCacheManager(num_blocks, hash_spec.block_size, enable_caching=True)
+        self.kv = KVCacheManager(num_blocks, hash_spec.block_size, enable_caching=True, host_blocks=host_blocks)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.requests: dict[RequestId, SimRequest] = {}
         self.busy = False

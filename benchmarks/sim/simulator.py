@@ -42,6 +42,7 @@ class SimConfig:
     event_delay_s: float = 0.0
     pending_ttl_s: float = 5.0
     hash_seed: int = 0
+    host_kv_blocks: int = 0  # per replica: a host tier behind the device cache (0: none)
     joining_replicas: int = 0  # scale-out: the last ones of num_replicas join (empty) at join_at_s
     join_at_s: float = 0.0
 
@@ -86,7 +87,8 @@ class Simulation:
         self.hash_spec = HashSpec(config.block_size, config.hash_seed, "sim")
         sched = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         self.replicas = {
-            f"r{i}": SimReplica(f"r{i}", config.kv_blocks, self.hash_spec, cost, sched) for i in range(config.num_replicas)
+            f"r{i}": SimReplica(f"r{i}", config.kv_blocks, self.hash_spec, cost, sched, config.host_kv_blocks)
+            for i in range(config.num_replicas)
         }
         if policy == "oracle":
             policy_kwargs.setdefault("true_match", lambda rid, hashes: self.replicas[rid].true_match(list(hashes)))
@@ -94,7 +96,7 @@ class Simulation:
             policy, config.block_size, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now, **policy_kwargs
         )
         for rid in list(self.replicas)[: config.num_replicas - config.joining_replicas]:
-            self.router.add_replica(rid, config.kv_blocks)
+            self.router.add_replica(rid, config.kv_blocks, config.host_kv_blocks)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
         self._dependents: dict[str, list[RequestSpec]] = {}
@@ -124,7 +126,7 @@ class Simulation:
                 self._step_end(payload)
             elif kind == _JOIN:
                 for rid in payload:
-                    self.router.add_replica(rid, self.config.kv_blocks)
+                    self.router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
             else:
                 self._deliver(payload)
         return self.metrics()
@@ -164,7 +166,8 @@ class Simulation:
     def _deliver(self, events: KVEvents) -> None:
         if not self.router.apply(events):
             rep = self.replicas[events.replica_id]
-            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load())
+            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load(),
+                                       rep.kv.host_block_hashes())  # fmt: skip
             self.num_snapshots += 1
 
     # ------------------------------------------------------------------ metrics
@@ -173,6 +176,7 @@ class Simulation:
         n_req = len(self.workload.requests)
         prompt = sum(s.spec.num_prompt_tokens for s in done)
         cached = sum(max(s.request.num_cached_tokens, 0) for s in done)
+        host_cached = sum(s.request.num_host_cached_tokens for s in done)
         out_tokens = sum(s.request.num_output_tokens for s in done)
         ttft = [s.first_token_s - s.arrival_s for s in done if s.first_token_s is not None]
         e2e = [s.finish_s - s.arrival_s for s in done if s.finish_s is not None]
@@ -192,6 +196,7 @@ class Simulation:
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
+            "host_hit_rate": host_cached / prompt if prompt else 0.0,
             "ttft_p50_s": percentile(ttft, 50),
             "ttft_p90_s": percentile(ttft, 90),
             "ttft_p99_s": percentile(ttft, 99),

@@ -3,6 +3,7 @@
 The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
 
     cached_r = min(matched_blocks_r × block_size, n − 1)      # the last token is always computed
+               − restored_r × prefill_rate / restore_rate_r      # host-tier blocks cost their copy
     work_r   = queued_prefill_tokens_r + n − cached_r
     ttft_r   = work_r / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
@@ -29,6 +30,7 @@ from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, Rou
 
 BATCH_SLACK_REL = 1.5
 BATCH_SLACK_ABS = 16
+HOST_RATE_DEFAULT = 10.0  # a host-tier restore not measured yet: this many times the prefill rate
 
 
 class KVRoutePolicy(Policy):
@@ -166,7 +168,7 @@ class KVRoutePolicy(Policy):
         top = est.top
         if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
             if self._clear_owner(est, table.queued, n, saturated):
-                return RouteDecision(table.candidates[top], est.longest, "prefix")
+                return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
         works = [q + n for q in table.queued]
         for i, c in est.cached.items():
             works[i] -= c
@@ -179,7 +181,7 @@ class KVRoutePolicy(Policy):
         if pick < 0:
             pick = self._place(table, est, ts, ok, best, num_blocks)
         c = est.cached.get(pick, 0)
-        return RouteDecision(table.candidates[pick], c, _reason(c, est.longest))
+        return RouteDecision(table.candidates[pick], est.held.get(pick, c), _reason(c, est.longest))
 
     def _estimate(self, table: CandidateTable, n: int, block_size: int) -> "_Estimate":
         """The fleet's prefill rate, each candidate's decode interference, and the
@@ -191,12 +193,17 @@ class KVRoutePolicy(Policy):
             fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interference = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
         est = _Estimate(fleet_rate, interference)
-        depth = table.depth
-        if any(depth):
+        depth, host = table.depth, table.host_depth
+        held = depth if host is None else [d + h for d, h in zip(depth, host)]
+        if any(held):
             cap = max(n - 1, 0)
             cached = est.cached
-            for i in compress(range(len(depth)), depth):
-                c = min(depth[i] * block_size, cap)
+            for i in compress(range(len(held)), held):
+                c = min(held[i] * block_size, cap)
+                if host is not None and host[i]:  # a host-tier token costs its copy, at the prefill rate's scale
+                    est.held[i] = c
+                    restored = c - min(depth[i] * block_size, cap)
+                    c -= round(restored * fleet_rate / (table.host_rate[i] or HOST_RATE_DEFAULT * fleet_rate))
                 cached[i] = c
                 if c > est.longest:
                     est.longest, est.top = c, i
@@ -279,14 +286,17 @@ class KVRoutePolicy(Policy):
 
 class _Estimate:
     """What ``_estimate`` finds for one request: ``cached`` and ``own_ts`` by owner
-    position; ``top``, the one owner with the longest prefix (-1: none, or shared)."""
+    position; ``top``, the one owner with the longest prefix (-1: none, or shared).
+    An owner whose prefix reaches into its host tier has ``cached`` less the copy's
+    price and, in ``held``, the tokens it will actually report cached."""
 
-    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top")
+    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top", "held")
 
     def __init__(self, fleet_rate: float, interference: Sequence[float]) -> None:
         self.fleet_rate = fleet_rate
         self.interference = interference
         self.cached: dict[int, int] = {}
+        self.held: dict[int, int] = {}
         self.own_ts: dict[int, float] = {}
         self.longest = 0
         self.top = -1
