@@ -3,7 +3,7 @@
     python -m kvroute.benchmarks.fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
         [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,multi-turn]
         [--loads 0.6,0.85,0.95,1.2] [--routers kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router]
-        [--scale 1.0] [--out-dir results/fleet_matrix]
+        [--scale 1.0] [--host-kv-factor 0] [--out-dir results/fleet_matrix]
     (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.fleet_matrix ...)
 
 Every router gets the same fleet shape (``--replicas`` replicas emulating ``--profile``:
@@ -92,9 +92,11 @@ def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks
 
 
 def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, rates: Sequence[float],
-            routers: Sequence[str], seed: int, joining: int = 0) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:
+            routers: Sequence[str], seed: int, joining: int = 0,
+            host_kv_blocks: int = 0) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:  # fmt: skip
     """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
-    with ``joining``, that many of the replicas join at half the arrival span."""
+    with ``joining``, that many of the replicas join at half the arrival span; each
+    replica has a host KV tier of ``host_kv_blocks``."""
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
@@ -104,7 +106,7 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     for rate in rates:
         stamped = wl.with_poisson_arrivals(workload, rate, seed=seed)
         join_at = 0.5 * max(r.arrival_s for r in stamped.requests)
-        at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=join_at)
+        at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=join_at, host_kv_blocks=host_kv_blocks)
         for policy in sorted({SIM_POLICY[r] for r in routers}):
             out[(policy, rate)] = Simulation(stamped, policy, profile, at).run()
     return capacity, out
@@ -126,10 +128,11 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     loads = [float(x) for x in args.loads.split(",")]
     rates = [round(f * capacity, 3) for f in loads]
     s = SCENARIOS[name]
+    host_blocks = round(args.host_kv_factor * kv_blocks)
     _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
-                     joining=_share(s.add_fraction, args.replicas))
+                     joining=_share(s.add_fraction, args.replicas), host_kv_blocks=host_blocks)
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
-                     "max_model_len": profile.max_model_len}  # fmt: skip
+                     "max_model_len": profile.max_model_len, "host_kv_blocks": host_blocks}  # fmt: skip
     argv = [
         "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
         "--routers", ",".join(routers), "--emulate", args.profile, "--time-scale", str(args.time_scale),
@@ -149,7 +152,8 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
         load = loads[rates.index(row["rate"])]
         predicted = sim[(SIM_POLICY[row["router"]], row["rate"])]
         rows.append({
-            "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks, **row,
+            "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
+            "host_kv_blocks_per_replica": host_blocks, **row,
             "sim_policy": SIM_POLICY[row["router"]], "sim_ttft_p90_ms": predicted["ttft_p90_s"] * 1000,
             "sim_ttft_p99_ms": predicted["ttft_p99_s"] * 1000, "sim_hit_rate": predicted["hit_rate"],
             "sim_out_tok_s": predicted["output_tokens_per_s"],
@@ -200,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", default="kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the groups / tenants / conversations")
     p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (CI runs use a small one)")
+    p.add_argument("--host-kv-factor", type=float, default=0.0,
+                   help="each replica gets a host KV tier of this many times its device blocks (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=1800.0)

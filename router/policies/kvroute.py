@@ -174,8 +174,8 @@ class KVRoutePolicy(Policy):
             works[i] -= c
         ts = self.ttfts(works, est.interference, est.fleet_rate)
         ok = [x <= blimit for x in qlen] if over else None
-        if kv_short:
-            ok = self._kv_admissible(table, est.cached, n, block_size, saturated, ok)
+        if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
+            ok = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
         best = min(ts) if ok is None else min(compress(ts, ok))
         pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:
@@ -202,7 +202,8 @@ class KVRoutePolicy(Policy):
                 c = min(held[i] * block_size, cap)
                 if host is not None and host[i]:  # a host-tier token costs its copy, at the prefill rate's scale
                     est.held[i] = c
-                    restored = c - min(depth[i] * block_size, cap)
+                    est.on_device[i] = min(depth[i] * block_size, cap)
+                    restored = c - est.on_device[i]
                     c -= round(restored * fleet_rate / (table.host_rate[i] or HOST_RATE_DEFAULT * fleet_rate))
                 cached[i] = c
                 if c > est.longest:
@@ -288,15 +289,17 @@ class _Estimate:
     """What ``_estimate`` finds for one request: ``cached`` and ``own_ts`` by owner
     position; ``top``, the one owner with the longest prefix (-1: none, or shared).
     An owner whose prefix reaches into its host tier has ``cached`` less the copy's
-    price and, in ``held``, the tokens it will actually report cached."""
+    price, in ``held`` the tokens it will actually report cached, and in
+    ``on_device`` those its device cache holds."""
 
-    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top", "held")
+    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top", "held", "on_device")
 
     def __init__(self, fleet_rate: float, interference: Sequence[float]) -> None:
         self.fleet_rate = fleet_rate
         self.interference = interference
         self.cached: dict[int, int] = {}
         self.held: dict[int, int] = {}
+        self.on_device: dict[int, int] = {}
         self.own_ts: dict[int, float] = {}
         self.longest = 0
         self.top = -1

@@ -153,3 +153,42 @@ def test_serve_command_runs_the_cluster_and_stops_on_ctrl_c(tiny_llama_path):
         output = stop_cli(proc, lines)
     assert proc.returncode == 0, output
     assert "kvroute: stopping" in output
+
+
+def test_serve_replica_with_a_host_kv_tier_reports_the_restored_tokens(tiny_llama_path):
+    """A prefix pushed out of a tiny device cache comes back from the host tier: the
+    response's usage and /metrics name the host part (through the real openai client)."""
+    import httpx
+    import openai
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    proc, lines = start_cli(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port), "--num-kv-blocks", "8",
+                             "--host-kv-blocks", "64", "--block-size", "8", "--dtype", "float32",
+                             "--served-model-name", "tiny"], "serving")  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        a, b = list(range(100, 141)), list(range(300, 341))  # 41 tokens: 5 full blocks of 8 each
+
+        def usage(prompt: list[int]):
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).usage
+
+        assert usage(a).prompt_tokens_details.cached_tokens == 0
+        usage(b)  # b's blocks take the 8-block device cache: a's go to the host tier
+        again = usage(a)
+        details = again.prompt_tokens_details
+        assert details.cached_tokens == 40 and details.model_extra["host_cached_tokens"] > 0
+        metrics = httpx.get(url + "/metrics").text
+        hits = [ln for ln in metrics.splitlines() if ln.startswith("kvroute:prefix_cache_host_hits_total")]
+        assert hits and float(hits[0].rsplit(" ", 1)[1]) == details.model_extra["host_cached_tokens"]
+    finally:
+        output = stop_cli(proc, lines)
+    assert proc.returncode == 0, output
