@@ -243,13 +243,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table(rows))
     errors = sum(r["failed"] for r in rows)
     ours = sum(r["failed"] for r in rows if r["router"] == "kvroute")
-    # a peer losing the requests in flight on a killed replica is a measured outcome;
-    # errors anywhere else mean the run itself went wrong
-    unexplained = sum(r["failed"] for r in rows if r["router"] == "kvroute" or not SCENARIOS[r["scenario"]].kill_fraction)
+    # a peer's errors are a measured outcome (requests lost with a killed replica, or
+    # refused by replicas it overloaded: 429 at max_queued_requests, 503 when no first
+    # token comes in time); kvroute's mean something went wrong
+
     worst = max((t["p90_over_best_peer"] for t in tg), default=float("nan"))
     print(f"fleet_matrix: {len(scenarios)} scenarios x {len(routers)} routers, {len(rows)} runs, {errors} errors "
           f"({ours} kvroute's); worst kvroute p90 / best peer {worst:.2f}  [{out}]")  # fmt: skip
-    return 0 if unexplained == 0 else 1
+    return 0 if ours == 0 else 1
 
 
 if __name__ == "__main__":

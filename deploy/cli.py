@@ -28,6 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="with --emulate: stretch every step's time by this factor")
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="a host-memory KV tier of this many blocks behind the device cache (0: none)")
+    p.add_argument("--host-kv-gb", type=float, default=0.0, help="or the host KV tier's size in GiB")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -42,6 +43,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         emulate=args.emulate,
         time_scale=args.time_scale,
         host_kv_blocks=args.host_kv_blocks,
+        host_kv_gb=args.host_kv_gb,
     )
 
 

@@ -138,7 +138,7 @@ class AsyncEngine:
 
     @property
     def num_host_kv_blocks(self) -> int:
-        return self.engine.config.host_kv_blocks
+        return self.engine.host_kv_blocks
 
     async def cache_snapshot(self, also: Callable[[], T]) -> tuple[list[BlockHash], list[BlockHash], LoadFigures, T]:
         """The cached block hashes (device, then host tier), the load figures and

@@ -25,7 +25,9 @@ class EngineConfig:
 
     ``host_kv_blocks``: a host-memory tier of that many blocks behind the device cache
     (``replica/host_tier.py``): evicted prefix blocks are offloaded there and restored
-    by a copy instead of a recompute. 0: none.
+    by a copy instead of a recompute. 0: none. Or ``host_kv_gb``: the tier sized in
+    GiB of host memory (from the model's KV bytes per block; an emulated engine's from
+    its profile).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -47,6 +49,7 @@ class EngineConfig:
     emulate: str | None = None
     time_scale: float = 1.0
     host_kv_blocks: int = 0
+    host_kv_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,16 +78,27 @@ class EngineConfig:
             from kvroute.replica.profiles import get_profile
 
             get_profile(self.emulate)  # ValueError naming the known profiles
-        if self.host_kv_blocks < 0:
-            raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
-        if self.host_kv_blocks and not self.enable_prefix_caching:
-            raise ValueError("host_kv_blocks needs enable_prefix_caching (the host tier holds prefix blocks)")
+        if self.host_kv_blocks < 0 or self.host_kv_gb < 0:
+            raise ValueError(f"host_kv_blocks and host_kv_gb must be >= 0, got {self.host_kv_blocks}, {self.host_kv_gb}")
+        if self.host_kv_blocks and self.host_kv_gb:
+            raise ValueError("set host_kv_blocks or host_kv_gb, not both")
+        if (self.host_kv_blocks or self.host_kv_gb) and not self.enable_prefix_caching:
+            raise ValueError("host_kv_blocks / host_kv_gb need enable_prefix_caching (the host tier holds prefix blocks)")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
         if self.time_scale != 1.0 and self.emulate is None:
             raise ValueError("time_scale applies to an emulated engine only (set emulate)")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
+
+    def host_blocks(self, bytes_per_block: int) -> int:
+        """The host tier's size in blocks: ``host_kv_blocks``, or ``host_kv_gb`` over
+        ``bytes_per_block`` (ValueError when that is unknown, 0)."""
+        if not self.host_kv_gb:
+            return self.host_kv_blocks
+        if bytes_per_block <= 0:
+            raise ValueError("host_kv_gb needs the KV bytes per block (an emulation profile without kv_bytes_per_token)")
+        return max(1, int(self.host_kv_gb * 2**30) // bytes_per_block)
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The context length an engine of this config serves: ``max_model_len``, at

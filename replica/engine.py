@@ -72,10 +72,11 @@ class Engine:
 
             profile = get_profile(config.emulate)
             num_blocks = config.num_kv_blocks or max(1, profile.kv_blocks_per_replica * profile.block_size // bs)
+            self.host_kv_blocks = config.host_blocks(profile.kv_bytes_per_token * bs)
             self.runner = self.sampler = EmulatedModel(profile, self.arch.vocab_size, self.eos_token_ids, config.time_scale)
         else:
             num_blocks = self._load_model(config)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, config.host_kv_blocks)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.host_kv_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned
@@ -95,12 +96,12 @@ class Engine:
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         bs = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(self.arch, bs, dtype)
-        )
+        block_bytes = kv_bytes_per_block(self.arch, bs, dtype)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
+        self.host_kv_blocks = config.host_blocks(block_bytes)
         graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
         self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes,
-                                  config.host_kv_blocks)  # fmt: skip
+                                  self.host_kv_blocks)  # fmt: skip
         self.sampler = Sampler(config.seed)
         return num_blocks
 
@@ -285,7 +286,7 @@ class Engine:
             **vars(self.telemetry.load()),
             num_kv_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
-            num_host_kv_blocks=self.config.host_kv_blocks,
+            num_host_kv_blocks=self.host_kv_blocks,
             num_host_cached_blocks=len(self.kv.host or ()),
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,

@@ -133,6 +133,13 @@ def test_no_host_tier_without_prefix_caching():
         EngineConfig(host_kv_blocks=8, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="host_kv_blocks"):
         EngineConfig(host_kv_blocks=-1)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(host_kv_blocks=8, host_kv_gb=1.0)
+    # GiB to blocks: the Llama-3-8B profile's 2 MiB blocks of 16 tokens
+    assert EngineConfig(host_kv_gb=1.0).host_blocks(16 * 131_072) == 512
+    assert EngineConfig(host_kv_blocks=7).host_blocks(0) == 7
+    with pytest.raises(ValueError, match="bytes per block"):
+        EngineConfig(host_kv_gb=1.0).host_blocks(0)
 
 
 # ---------------------------------------------------------------------- the engine
