@@ -7,8 +7,7 @@ The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
     work_r   = queued_prefill_tokens_r + n − cached_r
     ttft_r   = work_r / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
-Among the admissible candidates (batch: a queue at most ``max(1.5 × lightest, lightest
-+ 16)``; KV: free blocks, less the queued prefills', for what the request needs there),
+Among the admissible candidates (batch: a queue at most ``max(1.5 × mean, mean + 16)``; KV: free blocks, less the queued prefills', for what the request needs there),
 ``best`` is the smallest TTFT. An owner whose TTFT is within ``best`` plus its share
 ``cached_r / n`` of the slack is eligible (plus ``cached_r / fleet_rate`` while every
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
@@ -35,7 +34,7 @@ HOST_RATE_DEFAULT = 10.0  # a host-tier restore not measured yet: this many time
 
 class KVRoutePolicy(Policy):
     """Smallest predicted TTFT; a longer cached prefix wins within ``slack`` of the best;
-    no replica's batch runs ahead of the lightest one's by more than the batch slack."""
+    no replica's batch runs ahead of the candidates' mean by more than the batch slack."""
 
     name: ClassVar[str] = "kvroute"
     _shortcut: ClassVar[bool] = True  # the owner shortcut in choose_from (tests turn it off to compare)
@@ -107,9 +106,11 @@ class KVRoutePolicy(Policy):
 
     def batch_limit(self, queue_lens: Sequence[int]) -> float:
         """The most requests (waiting + running + routed since the last report) a
-        replica may hold and still take one more: the lightest candidate's count times
-        ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger."""
-        low = min(queue_lens)
+        replica may hold and still take one more: the candidates' mean count times
+        ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger. (The
+        mean, not the lightest: an empty replica joining a busy fleet would otherwise
+        put every owner over the limit and draw every request, each a miss.)"""
+        low = sum(queue_lens) / len(queue_lens)
         return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
 
     def _slack(self, best: float) -> float:
