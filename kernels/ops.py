@@ -1,4 +1,6 @@
-"""The one switch between kernel implementations: Triton on CUDA, torch references on CPU.
+"""The one switch between kernel implementations: Triton on CUDA; on CPU the native kernels
+of ``cpu_kernels.c`` where they cover the tensors (decode attention in bf16 and fp32;
+RMSNorm, RoPE and SiLU-and-mul in bf16), torch references elsewhere.
 
 Models call these functions and nothing else, so changing the backend changes nothing
 above this file. The backend follows the tensors' device; ``KVROUTE_KERNELS=torch``
@@ -16,9 +18,12 @@ from typing import Iterator
 
 import torch
 
+import torch.nn.functional as F
+
+from kvroute.kernels import cpu_kernels
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
-from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kvroute.kernels.paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.kernels.triton_compat import HAS_TRITON
@@ -46,6 +51,12 @@ def use_backend(name: str) -> Iterator[None]:
         _backend = old
 
 
+def _native() -> bool:
+    """Native CPU kernels (``cpu_kernels.c``) instead of the torch references, for
+    tensors they cover: the ``auto`` backend only (``torch`` forces the references)."""
+    return _backend == "auto"
+
+
 def uses_triton(device: torch.device) -> bool:
     """THE switch: True when kernels on ``device`` run as Triton."""
     if _backend == "torch":
@@ -60,7 +71,8 @@ def uses_triton(device: torch.device) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if uses_triton(x.device):
         return rms_norm_triton(x.contiguous(), weight, eps)  # type: ignore[return-value]
-    return rms_norm_reference(x, weight, eps)
+    native = cpu_kernels.add_rms_norm(x, None, weight, eps) if _native() else None
+    return native[0] if native is not None else rms_norm_reference(x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -69,15 +81,25 @@ def fused_add_rms_norm(
     """``(rms_norm(x + residual), x + residual)``."""
     if uses_triton(x.device):
         return rms_norm_triton(x.contiguous(), weight, eps, residual.contiguous())  # type: ignore[return-value]
-    return fused_add_rms_norm_reference(x, residual, weight, eps)
+    native = cpu_kernels.add_rms_norm(x, residual, weight, eps) if _native() else None
+    return native if native is not None else fused_add_rms_norm_reference(x, residual, weight, eps)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, KVH, D] in place; cos/sin [T, 1, D] in the model dtype."""
     if uses_triton(q.device):
         rotary_triton_(q, k, cos, sin)
-    else:
+    elif not (_native() and cpu_kernels.rotary_(q, k, cos, sin)):
         rotary_reference_(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` on the last dimension."""
+    native = cpu_kernels.silu_and_mul(gate_up) if _native() else None
+    if native is not None:
+        return native
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def store_kv(
@@ -107,6 +129,8 @@ def paged_attention(
     themselves; the step's K/V must already be stored (``key``/``value`` are an optional
     shortcut the reference may use)."""
     if not uses_triton(query.device):
+        if _native():
+            return paged_attention_cpu(query, key_cache, value_cache, meta, scale, key, value)
         return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value)
     splits = 1
     if meta.max_query_len == 1 and query.shape[0] == meta.seq_lens.shape[0]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvroute.kernels import cpu_kernels
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.triton_compat import interpreting, kernel, tl, triton
 
@@ -39,6 +40,34 @@ def paged_attention_reference(
     optional shortcut: a sequence with no cached context reads them directly instead
     of gathering from the cache (same values, less copying).
     """
+    return _paged_attention_torch(query, key_cache, value_cache, meta, scale, key, value, native_decode=False)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The engine's CPU path: the reference, except that single-token sequences go to the
+    native decode kernel (``cpu_kernels.c``: pages read in place, no gather, no
+    padding) when it is available."""
+    return _paged_attention_torch(query, key_cache, value_cache, meta, scale, key, value, native_decode=True)
+
+
+def _paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    native_decode: bool,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
@@ -47,14 +76,15 @@ def paged_attention_reference(
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
     decodes = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] == 1]
-    if len(decodes) > 1:
+    decoded: set[int] = set()
+    if decodes and native_decode and _native_decode(query, key_cache, value_cache, meta, scale, decodes, out):
+        decoded = set(decodes)
+    elif len(decodes) > 1:
         # Batches of similar length, so padding to the longest wastes little.
         decodes.sort(key=lambda s: meta.seq_lens_cpu[s])
         for i in range(0, len(decodes), _DECODE_GROUP):
             _decode_batch(query, key_cache, value_cache, meta, scale, decodes[i : i + _DECODE_GROUP], out)
         decoded = set(decodes)
-    else:
-        decoded = set()
     for s in range(meta.num_seqs):
         if s in decoded:
             continue
@@ -89,6 +119,23 @@ def paged_attention_reference(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[0]
         out[q0:q1] = o.transpose(0, 1)
     return out
+
+
+def _native_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seqs: list[int],
+    out: torch.Tensor,
+) -> bool:
+    if len(seqs) == meta.num_seqs:  # a pure decode step: the metadata as it is
+        tables, lens, rows = meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1]
+    else:
+        idx = torch.tensor(seqs, device=query.device)
+        tables, lens, rows = meta.block_tables[idx], meta.seq_lens[idx], meta.query_start_loc[idx]
+    return cpu_kernels.decode_attention(query, key_cache, value_cache, tables, lens, rows, out, scale)
 
 
 def _decode_batch(

@@ -80,6 +80,9 @@ class ModelRunner:
         load_weights_into(model, model_path, dtype)
         if arch.tie_word_embeddings:
             model.tie_weights()
+        model.fuse_projections()
+        if device.type == "cpu":
+            model.pack_linears_for_cpu()
         # Non-persistent buffers do not survive to_empty(): rebuild the rope tables.
         model.rope = RotaryEmbedding(
             arch.head_dim, max_model_len, arch.rope_theta, arch.rope_scaling

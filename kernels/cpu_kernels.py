@@ -1,0 +1,186 @@
+"""Native CPU kernels (``cpu_kernels.c``): compiled on first use with the system C
+compiler into a per-machine cache, loaded with ctypes (no Python headers, no build
+step at install time; compiling takes about a second).
+
+Each wrapper returns False/None when the native kernel does not apply (no compiler or a
+failed build, logged once; a dtype, layout or size it does not cover), and the caller
+uses the torch reference. ``KVROUTE_NATIVE=0`` turns the native kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+_MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE = 16, 256, 256  # the C file's limits
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVROUTE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvroute")
+    return Path(root) / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("KVROUTE_NATIVE", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("kvroute: no C compiler found; CPU kernels use the torch path")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(
+            "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode()
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_kernels-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=True)
+                os.replace(built, target)  # atomic: concurrent builders each publish a whole file
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("kvroute: building the CPU kernels failed; using the torch path: %s", detail.strip()[:500])
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for name in _FUNCS.values():
+        getattr(lib, name).argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i32, f32, i32]
+    lib.add_rms_norm_bf16.restype = ctypes.c_int
+    lib.rotary_bf16.argtypes = [p, i64, i64, i32, i32, p, p, i32]
+    lib.rotary_bf16.restype = None
+    lib.silu_and_mul_bf16.argtypes = [p, p, i64, i32, i32]
+    lib.silu_and_mul_bf16.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def decode_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, page, KVH, D]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    rows: torch.Tensor,  # [num_seqs] int64: each sequence's query row
+    out: torch.Tensor,  # [T, H, D], written at ``rows``
+    scale: float,
+) -> bool:
+    """Single-token attention of the given sequences, in place into ``out``. Returns
+    False (nothing written) when the native kernel is unavailable or does not cover these
+    tensors (dtype, layout, sizes), so the caller falls back."""
+    fn_name = _FUNCS.get(query.dtype)
+    if fn_name is None or query.device.type != "cpu" or key_cache.dtype != query.dtype:
+        return False
+    num_heads, head_dim = query.shape[1:]
+    page, num_kv_heads = key_cache.shape[1:3]
+    if (
+        num_heads % num_kv_heads
+        or num_heads // num_kv_heads > _MAX_GROUP
+        or head_dim > _MAX_HEAD_DIM
+        or page > _MAX_PAGE
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or query.stride(2) != 1 or query.stride(1) != head_dim
+        or out.stride(2) != 1 or out.stride(1) != head_dim
+    ):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    rc = getattr(lib, fn_name)(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(),
+        out.data_ptr(), out.stride(0), rows.numel(), num_heads, num_kv_heads, head_dim, page,
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return rc == 0
+
+
+def _bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rms_norm(x + residual), x + residual)`` (``residual=None``: of x, and x) for
+    contiguous bf16 rows; None when not covered."""
+    dim = x.shape[-1]
+    if (
+        not _bf16_cpu(x, weight)
+        or (residual is not None and (not _bf16_cpu(residual) or not residual.is_contiguous() or residual.shape != x.shape))
+        or not x.is_contiguous() or not weight.is_contiguous() or dim > 16384
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    rc = lib.add_rms_norm_bf16(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+        h.data_ptr() if residual is not None else None, x.numel() // dim, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return (out, h) if rc == 0 else None
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate-half RoPE in place on q [T, H, D] and k [T, KVH, D] (rows may be strided
+    views of one QKV output, heads contiguous); cos/sin [T, 1, D] or [T, D]."""
+    if not _bf16_cpu(q, k, cos, sin) or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    head_dim = q.shape[-1]
+    if any(x.stride(-1) != 1 or x.stride(-2) != head_dim for x in (q, k)) or head_dim % 2:
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    threads = torch.get_num_threads()
+    for x in (q, k):
+        lib.rotary_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], head_dim, cos.data_ptr(), sin.data_ptr(), threads)
+    return True
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of contiguous bf16 rows ``[gate | up]``; None when not covered."""
+    if not _bf16_cpu(gate_up) or not gate_up.is_contiguous():
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], width))
+    lib.silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), out.numel() // width, width, torch.get_num_threads())
+    return out

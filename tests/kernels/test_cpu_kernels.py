@@ -1,0 +1,148 @@
+"""The native CPU kernels (kernels/cpu_kernels.c) against the torch references, built
+here with the machine's C compiler as the engine builds them.
+
+Tolerances: decode attention fp32 2e-5, bf16 2e-2 (as the reference against dense);
+RoPE must match bit for bit (it rounds where the eager expression rounds); RMSNorm and
+SiLU-and-mul at most one bf16 ulp (the order of a float32 sum, an exponential's last
+bits); the residual sum and oneDNN-packed Linears exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvroute.kernels import cpu_kernels, ops
+from kvroute.kernels.kv_store import store_kv_reference
+from kvroute.kernels.paged_attention import paged_attention_cpu, paged_attention_reference
+from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference
+from kvroute.kernels.rotary import rotary_reference_
+from kvroute.replica.models.decoder import PackedLinear
+from kvroute.replica.models.rope import RotaryEmbedding
+from tests.kernels.batches import build_batch, dense_attention
+
+ULP = 1e-2  # one bf16 ulp of values of order 1 (relative 2^-7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_built() -> None:
+    """Fail (not skip): every CI machine has a C compiler, and the engine relies on it."""
+    assert cpu_kernels.available(), "the native CPU kernels did not build (see the log)"
+
+
+@pytest.mark.parametrize(
+    "ctx_lens,q_lens",
+    [
+        ([0, 17, 33, 300, 64], [1, 1, 1, 1, 1]),  # a pure decode step; one sequence of length 1
+        ([0, 17, 33, 0, 64], [5, 1, 15, 1, 1]),  # decodes mixed with prefill chunks
+    ],
+)
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_attention_matches_dense(ctx_lens, q_lens, gqa, block_size, head_dim, dtype, tol):
+    kvh = 2
+    kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, head_dim, dtype, device="cpu")
+    store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
+    q = torch.randn(sum(q_lens), kvh * gqa, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype) * 2
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_attention_cpu(q, kc, vc, meta, scale, new_k, new_v)
+    assert out.shape == q.shape and out.dtype == dtype
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        q0 = meta.query_start_loc_cpu[s]
+        want = dense_attention(q[q0 : q0 + n], full_k[s], full_v[s], c, scale)
+        torch.testing.assert_close(out[q0 : q0 + n].float(), want, atol=tol, rtol=tol)
+
+
+def test_native_decode_reads_strided_queries_and_writes_only_decode_rows():
+    """Queries as a strided view of one QKV output (as the model passes them); prefill
+    rows come from the torch path, decode rows from the kernel, and match the reference."""
+    ctx_lens, q_lens = [40, 0, 7], [1, 9, 1]
+    kc, vc, meta, *_, new_k, new_v = build_batch(ctx_lens, q_lens, 16, 2, 64, torch.bfloat16, device="cpu")
+    store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
+    qkv = torch.randn(sum(q_lens), 6 * 64 + 2 * 2 * 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q = qkv[:, : 6 * 64].view(-1, 6, 64)
+    assert not q.is_contiguous()
+    got = paged_attention_cpu(q, kc, vc, meta, 0.125)
+    want = paged_attention_reference(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_native_decode_declines_what_it_does_not_cover():
+    ctx_lens, q_lens = [10], [1]
+    kc, vc, meta, *_ = build_batch(ctx_lens, q_lens, 16, 1, 64, torch.float16, device="cpu")
+    q = torch.randn(1, 20, 64, dtype=torch.float16)
+    out = torch.zeros_like(q)
+    # fp16 is not a native dtype; a group of 20 query heads per KV head exceeds the limit
+    assert not cpu_kernels.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out, 0.1)
+    assert not cpu_kernels.decode_attention(
+        q.float(), kc.float(), vc.float(), meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out.float(), 0.1
+    )
+    assert out.abs().sum() == 0
+    # ...and the op falls back to the reference path for them
+    torch.testing.assert_close(
+        paged_attention_cpu(q.float(), kc.float(), vc.float(), meta, 0.1),
+        paged_attention_reference(q.float(), kc.float(), vc.float(), meta, 0.1),
+    )
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 960)])  # 300 x 960: the threaded path
+def test_native_rms_norm_and_fused_add(rows, dim):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+    res = torch.randn(rows, dim, generator=g).bfloat16()
+    w = torch.rand(dim, generator=g).bfloat16()
+    res_before = res.clone()
+    out, h = cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    want_out, want_h = fused_add_rms_norm_reference(x, res, w, 1e-5)
+    assert torch.equal(h, want_h) and torch.equal(res, res_before)
+    torch.testing.assert_close(out, want_out, atol=ULP, rtol=ULP)
+    alone, same = cpu_kernels.add_rms_norm(x, None, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(alone, rms_norm_reference(x, w, 1e-5), atol=ULP, rtol=ULP)
+
+
+@pytest.mark.parametrize("tokens", [3, 200])
+def test_native_rotary_is_bitwise_the_reference_on_a_qkv_view(tokens):
+    heads, kv_heads, d = 9, 3, 64
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    positions = torch.randint(0, 4000, (tokens,), generator=g)
+    cos, sin = RotaryEmbedding(d, 4096, 10000.0, None).tables(positions, torch.bfloat16)
+    q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    want_q, want_k = q.clone(), k.clone()
+    rotary_reference_(want_q, want_k, cos, sin)
+    v_before = v.clone()
+    assert cpu_kernels.rotary_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(v, v_before)  # the V columns of the same rows are untouched
+
+
+@pytest.mark.parametrize("rows,width", [(2, 1536), (64, 1536), (500, 256)])
+def test_native_silu_and_mul(rows, width):
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(4)) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=ULP, rtol=ULP)
+    assert torch.equal(ops.silu_and_mul(gate_up), got)
+
+
+def test_ops_use_the_references_when_the_backend_is_forced_to_torch():
+    x = torch.randn(4, 2 * 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    with ops.use_backend("torch"):
+        assert torch.equal(ops.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bitwise_the_linear(bias):
+    lin = torch.nn.Linear(576, 960, bias=bias).bfloat16()
+    packed = PackedLinear(lin)
+    for rows in (1, 64, 300):
+        x = torch.randn(rows, 576).bfloat16()
+        assert torch.equal(packed(x), lin(x))
