@@ -10,10 +10,10 @@
  * Everything is accumulated in float32; bf16 inputs are widened on load (a bf16 is the
  * top half of a float32) and the output is rounded to nearest even.
  *
- * Built by kernels/cpu_kernels.py with -O3 -march=native -fopenmp -ffast-math (512-bit
- * vectors preferred), so the inner loops over head_dim and the page's exponentials
+ * Built by kernels/cpu_kernels.py with -O3 -march=native -fopenmp and the value-safe parts of
+ * -ffast-math (finite math, reassociation; 512-bit vectors preferred), so the inner loops over head_dim and the page's exponentials
  * vectorize. The running max
- * starts at a large negative finite value instead of -inf (fast-math assumes no
+ * starts at a large negative finite value instead of -inf (finite math assumes no
  * infinities); every sequence has at least one position, so it is always replaced.
  */
 

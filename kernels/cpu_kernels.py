@@ -25,7 +25,12 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Not -ffast-math: linked into a shared library it sets flush-to-zero for the whole
+# process when loaded (crtfastmath.o), changing every other library's float results.
+_FLAGS = [
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC",
+    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffinite-math-only",
+]
 _FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE = 16, 256, 256  # the C file's limits
 

@@ -146,3 +146,14 @@ def test_packed_linear_is_bitwise_the_linear(bias):
     for rows in (1, 64, 300):
         x = torch.randn(rows, 576).bfloat16()
         assert torch.equal(packed(x), lin(x))
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The library must not switch the process to flush-to-zero (what -ffast-math's
+    startup code does): other libraries' float results would change."""
+    import numpy as np
+
+    assert cpu_kernels.available()
+    tiny = np.array([1e-39], dtype=np.float32)
+    assert float(tiny[0] * np.float32(0.5)) != 0.0
+    assert torch.tensor([1e-39]).mul(0.5).item() != 0.0
