@@ -23,6 +23,7 @@ from typing import Iterable, NewType, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.host_tier import HostTier
+from kvroute.replica.kv_events import PendingEvents
 
 BlockId = NewType("BlockId", int)
 
@@ -56,8 +57,7 @@ class BlockPool:
         self._free: OrderedDict[BlockId, None] = OrderedDict((b.block_id, None) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
         # Net change per hash since the last take_events(): True stored, False removed.
-        self._pending: dict[BlockHash, bool] = {}
-        self._cleared = False
+        self._events = PendingEvents()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -131,7 +131,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
-        self._note(block_hash, True)
+        self._events.note(block_hash, True)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -142,35 +142,22 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = ()
         self._cached.clear()
-        self._pending.clear()
-        self._cleared = True
+        self._events.clear()
         return True
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
         """(stored, removed, cleared) since the last call; stored and removed are disjoint."""
-        stored = [h for h, s in self._pending.items() if s]
-        removed = [h for h, s in self._pending.items() if not s]
-        cleared = self._cleared
-        self._pending = {}
-        self._cleared = False
-        return stored, removed, cleared
+        return self._events.take()
 
     # ------------------------------------------------------------------ internals
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
-        self._note(block.block_hash, False)
+        self._events.note(block.block_hash, False)
         if self.host is not None:
             host_id = self.host.offload(block.block_hash, block.token_ids)
             if host_id is not None:
                 self.offloads.append((block.block_id, host_id))
         block.block_hash = None
         block.token_ids = ()
-
-    def _note(self, block_hash: BlockHash, stored: bool) -> None:
-        # A store and a removal of the same hash within one batch cancel out.
-        if self._pending.get(block_hash) is (not stored):
-            del self._pending[block_hash]
-        else:
-            self._pending[block_hash] = stored

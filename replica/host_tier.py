@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.kv_events import PendingEvents
 
 
 class HostTier:
@@ -32,8 +33,7 @@ class HostTier:
         self._lru: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._pinned: set[BlockHash] = set()
-        self._pending: dict[BlockHash, bool] = {}  # net change since take_events: True stored
-        self._cleared = False
+        self._events = PendingEvents()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -68,7 +68,7 @@ class HostTier:
             return None
         host_id = self._free.pop()
         self._lru[block_hash] = (host_id, tuple(token_ids))
-        self._note(block_hash, True)
+        self._events.note(block_hash, True)
         return host_id
 
     def cached_block_hashes(self) -> list[BlockHash]:
@@ -79,27 +79,17 @@ class HostTier:
         self._lru.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._pinned.clear()
-        self._pending.clear()
-        self._cleared = True
+        self._events.clear()
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
         """(stored, removed, cleared) since the last call; stored and removed disjoint."""
-        stored = [h for h, s in self._pending.items() if s]
-        removed = [h for h, s in self._pending.items() if not s]
-        cleared, self._pending, self._cleared = self._cleared, {}, False
-        return stored, removed, cleared
+        return self._events.take()
 
     def _evict_one(self) -> bool:
         for block_hash in self._lru:
             if block_hash not in self._pinned:
                 host_id, _ = self._lru.pop(block_hash)
                 self._free.append(host_id)
-                self._note(block_hash, False)
+                self._events.note(block_hash, False)
                 return True
         return False
-
-    def _note(self, block_hash: BlockHash, stored: bool) -> None:
-        if self._pending.get(block_hash) is (not stored):
-            del self._pending[block_hash]
-        else:
-            self._pending[block_hash] = stored

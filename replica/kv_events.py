@@ -54,3 +54,31 @@ class KVEvents:
     @property
     def empty(self) -> bool:
         return not (self.stored or self.removed or self.cleared or self.host_stored or self.host_removed)
+
+
+class PendingEvents:
+    """One cache's hash changes since they were last taken, netted: a store and a
+    removal of the same hash in between cancel out, so the stored and removed lists
+    taken are disjoint. ``clear`` records that the whole cache was emptied (changes
+    before it no longer matter)."""
+
+    def __init__(self) -> None:
+        self._net: dict[BlockHash, bool] = {}  # hash -> True stored, False removed
+        self._cleared = False
+
+    def note(self, block_hash: BlockHash, stored: bool) -> None:
+        if self._net.get(block_hash) is (not stored):
+            del self._net[block_hash]
+        else:
+            self._net[block_hash] = stored
+
+    def clear(self) -> None:
+        self._net.clear()
+        self._cleared = True
+
+    def take(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """(stored, removed, cleared) since the last call."""
+        stored = [h for h, s in self._net.items() if s]
+        removed = [h for h, s in self._net.items() if not s]
+        cleared, self._net, self._cleared = self._cleared, {}, False
+        return stored, removed, cleared
