@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvroute.kernels import cpu_kernels
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
-from kvroute.kernels.paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
+from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.kernels.triton_compat import HAS_TRITON
@@ -129,9 +129,7 @@ def paged_attention(
     themselves; the step's K/V must already be stored (``key``/``value`` are an optional
     shortcut the reference may use)."""
     if not uses_triton(query.device):
-        if _native():
-            return paged_attention_cpu(query, key_cache, value_cache, meta, scale, key, value)
-        return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value)
+        return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value, native_decode=_native())
     splits = 1
     if meta.max_query_len == 1 and query.shape[0] == meta.seq_lens.shape[0]:
         splits = decode_splits(query.shape[0], key_cache.shape[2], query.device)

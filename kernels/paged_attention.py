@@ -33,41 +33,16 @@ def paged_attention_reference(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's K
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's V
+    native_decode: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole prefix.
 
     The step's K/V must already be stored in the cache. ``key``/``value`` are an
     optional shortcut: a sequence with no cached context reads them directly instead
-    of gathering from the cache (same values, less copying).
+    of gathering from the cache (same values, less copying). ``native_decode`` (the
+    engine's CPU path): single-token sequences go to the native decode kernel
+    (``cpu_kernels.c``: pages read in place, no gather, no padding) when it covers them.
     """
-    return _paged_attention_torch(query, key_cache, value_cache, meta, scale, key, value, native_decode=False)
-
-
-def paged_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The engine's CPU path: the reference, except that single-token sequences go to the
-    native decode kernel (``cpu_kernels.c``: pages read in place, no gather, no
-    padding) when it is available."""
-    return _paged_attention_torch(query, key_cache, value_cache, meta, scale, key, value, native_decode=True)
-
-
-def _paged_attention_torch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    native_decode: bool,
-) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"

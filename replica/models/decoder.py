@@ -48,33 +48,25 @@ class Attention(nn.Module):
         self.qkv_proj = _stack(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(
+    def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # views of the QKV output
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        ops.rotary_(q, k, cos, sin)
-        return q, k, v
-
-    def attend(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, KVH, D]
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H, D]
+        ops.rotary_(q, k, *rope)
         ops.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
-        return ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
+        o = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -125,10 +117,6 @@ class PackedLinear(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Two attention-free halves around the paged attention: ``before_attention``
-    (residual add, norm, QKV, RoPE) and ``after_attention`` (output projection, residual
-    add, norm, MLP)."""
-
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.self_attn = Attention(arch)
@@ -136,29 +124,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def before_attention(
+    def forward(
         self,
         x: torch.Tensor,  # [T, hidden], the previous layer's output (embeddings for layer 0)
         residual: torch.Tensor | None,  # [T, hidden], the residual stream before adding x; None for layer 0
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        q, k, v = self.self_attn.project(h, cos, sin)
-        return q, k, v, residual
-
-    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.self_attn.o_proj(o.flatten(1))
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -166,9 +135,13 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's MLP output, residual stream before adding it), so every
         residual add is fused into the RMSNorm that follows it. The same values as
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))``, rounded at the same points."""
-        q, k, v, residual = self.before_attention(x, residual, *rope)
-        o = self.self_attn.attend(q, k, v, kv_cache, meta)
-        return self.after_attention(o, residual)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
