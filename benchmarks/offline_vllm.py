@@ -22,6 +22,7 @@ def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -34,8 +35,6 @@ def main(spec_path: str, result_path: str) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    import vllm
-
     with open(result_path, "w") as f:
         json.dump({"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
                    "version": vllm.__version__}, f)

@@ -58,14 +58,20 @@ def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_
     assert (out / "table.md").read_text().startswith("| scenario |")
 
 
-def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_cluster, tmp_path, capsys):
+def _event_scenario_runs(ray_cluster, tmp_path, capsys, scenario):
+    """Run one mid-run-event scenario on 4 replicas (kvroute, and sglang-router when
+    installed); the workload and each router's (matrix row, run JSON)."""
     routers = ["kvroute"] + [r for r in ["sglang_router"] if external_available(r)]
-    out = tmp_path / "failure"
-    assert _run_matrix(ray_cluster, out, "failure", routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
+    out = tmp_path / scenario
+    assert _run_matrix(ray_cluster, out, scenario, routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
     matrix = json.loads((out / "matrix.json").read_text())
-    workload = fleet_matrix.workload_of("failure", 0.05, 0.2, 0)
-    for row in matrix["rows"]:
-        run = json.loads((out / "failure" / f"{row['run']}.json").read_text())
+    runs = [(row, json.loads((out / scenario / f"{row['run']}.json").read_text())) for row in matrix["rows"]]
+    return fleet_matrix.workload_of(scenario, 0.05, 0.2, 0), runs
+
+
+def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_cluster, tmp_path, capsys):
+    workload, runs = _event_scenario_runs(ray_cluster, tmp_path, capsys, "failure")
+    for row, run in runs:
         assert len(run["killed_replicas"]) == 1, run["killed_replicas"]  # 1 of 8, at least one
         assert run["completed"] + run["failed"] == len(workload)
         if row["router"] == "kvroute":  # a stream cut by the kill resumes on another replica: none lost
@@ -73,13 +79,8 @@ def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_c
 
 
 def test_the_scale_out_scenario_grows_the_fleet_mid_run(ray_cluster, tmp_path, capsys):
-    routers = ["kvroute"] + [r for r in ["sglang_router"] if external_available(r)]
-    out = tmp_path / "scale-out"
-    assert _run_matrix(ray_cluster, out, "scale-out", routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
-    matrix = json.loads((out / "matrix.json").read_text())
-    workload = fleet_matrix.workload_of("scale-out", 0.05, 0.2, 0)
-    for row in matrix["rows"]:
-        run = json.loads((out / "scale-out" / f"{row['run']}.json").read_text())
+    workload, runs = _event_scenario_runs(ray_cluster, tmp_path, capsys, "scale-out")
+    for row, run in runs:
         assert len(run["added_replicas"]) == 1, run  # a quarter of 4 joins at mid-run
         assert run["failed"] == 0 and run["total_output_tokens"] == workload.output_tokens
         if row["router"] == "kvroute":  # 3 replicas at the start, the 4th registered and counted
