@@ -7,8 +7,9 @@ The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
     work_r   = queued_prefill_tokens_r + n − cached_r
     ttft_r   = work_r / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
-Among the admissible candidates (batch: a queue at most ``max(1.5 × mean, mean + 16)``; KV: free blocks, less the queued prefills', for what the request needs there),
-``best`` is the smallest TTFT. An owner whose TTFT is within ``best`` plus its share
+Among the admissible candidates (batch: a queue at most ``max(1.5 × mean, mean + 16)``
+of the candidates' queues; KV: free blocks, less the queued prefills', for what the
+request needs there), ``best`` is the smallest TTFT. An owner whose TTFT is within ``best`` plus its share
 ``cached_r / n`` of the slack is eligible (plus ``cached_r / fleet_rate`` while every
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
 a new prefix goes to the roomiest cache among the near-best, anything else to ``best``.
@@ -110,8 +111,8 @@ class KVRoutePolicy(Policy):
         ``batch_slack_rel``, or plus ``batch_slack_abs``, whichever is larger. (The
         mean, not the lightest: an empty replica joining a busy fleet would otherwise
         put every owner over the limit and draw every request, each a miss.)"""
-        low = sum(queue_lens) / len(queue_lens)
-        return max(low * self.batch_slack_rel, low + self.batch_slack_abs)
+        mean = sum(queue_lens) / len(queue_lens)
+        return max(mean * self.batch_slack_rel, mean + self.batch_slack_abs)
 
     def _slack(self, best: float) -> float:
         """How much slower than ``best`` (the smallest admissible TTFT) a replica may
