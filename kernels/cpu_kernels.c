@@ -3,22 +3,29 @@
  * Paged decode attention: every single-token sequence of a step attends over
  * its cached K/V read in place through its block table (no gather, no padding).
  *
- * One task per (sequence, KV head) handles that head's GROUP query heads together, so
- * each K/V row is read once per group. Positions go page by page: the page's scores for
- * every query head, then an online-softmax update (running max and sum, accumulator
+ * One task per sequence walks its pages once. For each page it takes every KV head in
+ * turn, the head's GROUP query heads together, so each K/V row is read once per group and
+ * a page's K and V are read as two contiguous spans; the spans of the pages PREFETCH_AHEAD
+ * further on are requested ahead (a sequence's pages sit anywhere in the cache, which the
+ * hardware prefetchers cannot follow). Per query head, positions go page by page: the
+ * page's scores, then an online-softmax update (running max and sum, accumulator
  * rescaled when the max grows), then the page's V rows weighted into the accumulator.
  * Everything is accumulated in float32; bf16 inputs are widened on load (a bf16 is the
  * top half of a float32) and the output is rounded to nearest even.
  *
- * Built by kernels/cpu_kernels.py with -O3 -march=native -fopenmp and the value-safe parts of
- * -ffast-math (finite math, reassociation; 512-bit vectors preferred), so the inner loops over head_dim and the page's exponentials
- * vectorize. The running max
- * starts at a large negative finite value instead of -inf (finite math assumes no
- * infinities); every sequence has at least one position, so it is always replaced.
+ * Built by kernels/cpu_kernels.py with -O3 -march=native -fopenmp and the value-safe parts
+ * of -ffast-math (finite math, reassociation; 512-bit vectors preferred), so the inner
+ * loops over head_dim and the page's exponentials vectorize. The running max starts at a
+ * large negative finite value instead of -inf (finite math assumes no infinities); every
+ * sequence has at least one position, so it is always replaced.
+ *
+ * Also here: greedy argmax over bf16 logits rows (torch's bf16 argmax on CPU is slower
+ * than widening first), and the bf16 add-RMSNorm, rotary and SiLU-and-mul of a layer.
  */
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -27,6 +34,7 @@ typedef uint16_t bf16;
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_PAGE 256
+#define MAX_HEADS 128
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -159,94 +167,132 @@ static inline int page_values_bf16(float sc[][MAX_PAGE], int group, int head_dim
 #define PAGE_SCORES_float(...) 0
 #define PAGE_VALUES_float(...) 0
 
+/* `bytes` from p requested into L2: the pages a sequence reads next sit anywhere in the
+ * cache, so the hardware prefetchers cannot see the jump to them. */
+static inline void prefetch_span(const void* p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char*)p + off, 0, 2);
+}
+
+#define PREFETCH_AHEAD 2 /* pages */
+
 /* q, out: [tokens, num_heads, head_dim] with row stride q_stride / out_stride (elements);
  * caches: [num_blocks, page, num_kv_heads, head_dim], contiguous; block_tables:
  * [num_seqs, bt_stride] int32; rows[s]: sequence s's token row in q and out. Returns 0,
- * or -1 when a size exceeds the kernel's fixed limits (the caller checks first). */
+ * or -1 when a size exceeds the kernel's fixed limits (the caller checks first) or the
+ * per-thread state could not be allocated.
+ *
+ * One task per sequence walks its pages once, every KV head of a page in turn, so each
+ * page's K and V are read as two contiguous spans (the next pages' spans prefetched). */
 #define DEFINE_DECODE(NAME, T)                                                                  \
 int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,                     \
          const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,              \
          const int64_t* rows, T* out, int64_t out_stride, int num_seqs, int num_heads,         \
          int num_kv_heads, int head_dim, int page, float scale, int num_threads) {             \
     const int group = num_heads / num_kv_heads;                                                 \
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page > MAX_PAGE) return -1;             \
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page > MAX_PAGE || num_heads > MAX_HEADS) \
+        return -1;                                                                              \
     const int64_t row_elems = (int64_t)num_kv_heads * head_dim;                                 \
     const int64_t page_elems = (int64_t)page * row_elems;                                       \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")       \
-    for (int s = 0; s < num_seqs; s++) {                                                        \
-        for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                          \
-            float qf[MAX_GROUP][MAX_HEAD_DIM];                                                  \
-            float acc[MAX_GROUP][MAX_HEAD_DIM];                                                 \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel num_threads(num_threads)")                                            \
+    {                                                                                           \
+        /* per thread: every query head's scaled query and accumulator */                       \
+        float (*qf)[MAX_HEAD_DIM] = malloc(sizeof(float) * MAX_HEAD_DIM * num_heads);           \
+        float (*acc)[MAX_HEAD_DIM] = malloc(sizeof(float) * MAX_HEAD_DIM * num_heads);          \
+        if (!qf || !acc) {                                                                      \
+            _Pragma("omp atomic write")                                                         \
+            failed = 1;                                                                         \
+        }                                                                                       \
+        _Pragma("omp for schedule(dynamic, 1)")                                                 \
+        for (int s = 0; s < num_seqs; s++) {                                                    \
+            if (!qf || !acc) continue;                                                          \
             float sc[MAX_GROUP][MAX_PAGE];                                                      \
-            float mx[MAX_GROUP], sum[MAX_GROUP];                                                \
+            float mx[MAX_HEADS], sum[MAX_HEADS];                                                \
             float row[MAX_HEAD_DIM]; /* one K or V row, widened */                              \
-            const T* qrow = q + rows[s] * q_stride + (int64_t)kvh * group * head_dim;           \
-            for (int g = 0; g < group; g++) {                                                   \
+            const T* qrow = q + rows[s] * q_stride;                                             \
+            for (int h = 0; h < num_heads; h++) {                                               \
                 for (int d = 0; d < head_dim; d++) {                                            \
-                    qf[g][d] = LOAD_##T(qrow[g * head_dim + d]) * scale;                       \
-                    acc[g][d] = 0.0f;                                                           \
+                    qf[h][d] = LOAD_##T(qrow[h * head_dim + d]) * scale;                       \
+                    acc[h][d] = 0.0f;                                                           \
                 }                                                                               \
-                mx[g] = -1e30f;                                                                 \
-                sum[g] = 0.0f;                                                                  \
+                mx[h] = -1e30f;                                                                 \
+                sum[h] = 0.0f;                                                                  \
             }                                                                                   \
             const int len = seq_lens[s];                                                        \
             const int32_t* table = block_tables + (int64_t)s * bt_stride;                      \
-            for (int start = 0; start < len; start += page) {                                   \
+            const int num_pages = (len + page - 1) / page;                                      \
+            for (int ahead = 1; ahead < PREFETCH_AHEAD && ahead < num_pages; ahead++) {         \
+                prefetch_span(k_cache + (int64_t)table[ahead] * page_elems, page_elems * (int64_t)sizeof(T)); \
+                prefetch_span(v_cache + (int64_t)table[ahead] * page_elems, page_elems * (int64_t)sizeof(T)); \
+            }                                                                                   \
+            for (int pg = 0; pg < num_pages; pg++) {                                            \
+                const int start = pg * page;                                                    \
                 const int n = len - start < page ? len - start : page;                          \
-                const int64_t base = (int64_t)table[start / page] * page_elems + kvh * head_dim;\
-                const T* kp = k_cache + base;                                                   \
-                const T* vp = v_cache + base;                                                   \
-                if (!PAGE_SCORES_##T(qrow, group, head_dim, kp, row_elems, n, scale, sc)) {     \
-                    for (int j = 0; j < n; j++) {                                               \
-                        const T* krow = kp + j * row_elems;                                     \
-                        _Pragma("omp simd")                                                     \
-                        for (int d = 0; d < head_dim; d++) row[d] = LOAD_##T(krow[d]);          \
-                        for (int g = 0; g < group; g++) {                                       \
-                            float dot = 0.0f;                                                   \
-                            _Pragma("omp simd reduction(+:dot)")                                \
-                            for (int d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];        \
-                            sc[g][j] = dot;                                                     \
+                if (pg + PREFETCH_AHEAD < num_pages) {                                          \
+                    const int64_t ahead = (int64_t)table[pg + PREFETCH_AHEAD] * page_elems;     \
+                    prefetch_span(k_cache + ahead, page_elems * (int64_t)sizeof(T));            \
+                    prefetch_span(v_cache + ahead, page_elems * (int64_t)sizeof(T));            \
+                }                                                                               \
+                for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                  \
+                    const int64_t base = (int64_t)table[pg] * page_elems + kvh * head_dim;      \
+                    const T* kp = k_cache + base;                                               \
+                    const T* vp = v_cache + base;                                               \
+                    const int h0 = kvh * group;                                                 \
+                    if (!PAGE_SCORES_##T(qrow + h0 * head_dim, group, head_dim, kp, row_elems, n, scale, sc)) { \
+                        for (int j = 0; j < n; j++) {                                           \
+                            const T* krow = kp + j * row_elems;                                 \
+                            _Pragma("omp simd")                                                 \
+                            for (int d = 0; d < head_dim; d++) row[d] = LOAD_##T(krow[d]);      \
+                            for (int g = 0; g < group; g++) {                                   \
+                                float dot = 0.0f;                                               \
+                                _Pragma("omp simd reduction(+:dot)")                            \
+                                for (int d = 0; d < head_dim; d++) dot += qf[h0 + g][d] * row[d]; \
+                                sc[g][j] = dot;                                                 \
+                            }                                                                   \
                         }                                                                       \
                     }                                                                           \
-                }                                                                               \
-                for (int g = 0; g < group; g++) {                                               \
-                    float m = mx[g];                                                            \
-                    for (int j = 0; j < n; j++) m = sc[g][j] > m ? sc[g][j] : m;                \
-                    const float shrink = exp_nonpositive(mx[g] - m);                                       \
-                    float add = 0.0f;                                                           \
-                    _Pragma("omp simd reduction(+:add)")                                        \
-                    for (int j = 0; j < n; j++) {                                               \
-                        sc[g][j] = exp_nonpositive(sc[g][j] - m);                                          \
-                        add += sc[g][j];                                                        \
-                    }                                                                           \
-                    sum[g] = sum[g] * shrink + add;                                             \
-                    mx[g] = m;                                                                  \
-                    if (shrink != 1.0f) {                                                       \
-                        _Pragma("omp simd")                                                     \
-                        for (int d = 0; d < head_dim; d++) acc[g][d] *= shrink;                 \
-                    }                                                                           \
-                }                                                                               \
-                if (!PAGE_VALUES_##T(sc, group, head_dim, vp, row_elems, n, acc)) {             \
-                    for (int j = 0; j < n; j++) {                                               \
-                        const T* vrow = vp + j * row_elems;                                     \
-                        _Pragma("omp simd")                                                     \
-                        for (int d = 0; d < head_dim; d++) row[d] = LOAD_##T(vrow[d]);          \
-                        for (int g = 0; g < group; g++) {                                       \
-                            const float p = sc[g][j];                                           \
+                    for (int g = 0; g < group; g++) {                                           \
+                        const int h = h0 + g;                                                   \
+                        float m = mx[h];                                                        \
+                        for (int j = 0; j < n; j++) m = sc[g][j] > m ? sc[g][j] : m;            \
+                        const float shrink = exp_nonpositive(mx[h] - m);                        \
+                        float add = 0.0f;                                                       \
+                        _Pragma("omp simd reduction(+:add)")                                    \
+                        for (int j = 0; j < n; j++) {                                           \
+                            sc[g][j] = exp_nonpositive(sc[g][j] - m);                           \
+                            add += sc[g][j];                                                    \
+                        }                                                                       \
+                        sum[h] = sum[h] * shrink + add;                                         \
+                        mx[h] = m;                                                              \
+                        if (shrink != 1.0f) {                                                   \
                             _Pragma("omp simd")                                                 \
-                            for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];         \
+                            for (int d = 0; d < head_dim; d++) acc[h][d] *= shrink;             \
+                        }                                                                       \
+                    }                                                                           \
+                    if (!PAGE_VALUES_##T(sc, group, head_dim, vp, row_elems, n, acc + h0)) {    \
+                        for (int j = 0; j < n; j++) {                                           \
+                            const T* vrow = vp + j * row_elems;                                 \
+                            _Pragma("omp simd")                                                 \
+                            for (int d = 0; d < head_dim; d++) row[d] = LOAD_##T(vrow[d]);      \
+                            for (int g = 0; g < group; g++) {                                   \
+                                const float p = sc[g][j];                                       \
+                                _Pragma("omp simd")                                             \
+                                for (int d = 0; d < head_dim; d++) acc[h0 + g][d] += p * row[d]; \
+                            }                                                                   \
                         }                                                                       \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
-            T* orow = out + rows[s] * out_stride + (int64_t)kvh * group * head_dim;             \
-            for (int g = 0; g < group; g++) {                                                   \
-                const float inv = 1.0f / sum[g];                                                \
-                for (int d = 0; d < head_dim; d++) orow[g * head_dim + d] = STORE_##T(acc[g][d] * inv); \
+            T* orow = out + rows[s] * out_stride;                                               \
+            for (int h = 0; h < num_heads; h++) {                                               \
+                const float inv = 1.0f / sum[h];                                                \
+                for (int d = 0; d < head_dim; d++) orow[h * head_dim + d] = STORE_##T(acc[h][d] * inv); \
             }                                                                                   \
         }                                                                                       \
+        free(qf);                                                                               \
+        free(acc);                                                                              \
     }                                                                                           \
-    return 0;                                                                                   \
+    return failed ? -1 : 0;                                                                     \
 }
 
 
@@ -338,5 +384,24 @@ void silu_and_mul_bf16(const bf16* gate_up, bf16* out, int64_t rows, int width, 
             const float silu = round_bf16(gv / (1.0f + exp_any(-gv)));
             o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
         }
+    }
+}
+
+/* out[r] = the index of the first largest value of row r of x [rows, cols] (row stride
+ * `stride` elements), as torch.argmax; rows holding NaN are not covered (finite math). */
+void argmax_rows_bf16(const bf16* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out, int num_threads) {
+    const int threads = rows * cols >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16* row = x + r * stride;
+        float m = bf16_to_float(row[0]);
+        #pragma omp simd reduction(max:m)
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = bf16_to_float(row[c]);
+            m = v > m ? v : m;
+        }
+        int64_t best = 0;
+        while (best + 1 < cols && bf16_to_float(row[best]) != m) best++;
+        out[r] = best;
     }
 }

@@ -32,7 +32,7 @@ _FLAGS = [
     "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffinite-math-only",
 ]
 _FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
-_MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE = 16, 256, 256  # the C file's limits
+_MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE, _MAX_HEADS = 16, 256, 256, 128  # the C file's limits
 
 
 def _cpu_signature() -> str:
@@ -83,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
     lib.rotary_bf16.restype = None
     lib.silu_and_mul_bf16.argtypes = [p, p, i64, i32, i32]
     lib.silu_and_mul_bf16.restype = None
+    lib.argmax_rows_bf16.argtypes = [p, i64, i64, i64, p, i32]
+    lib.argmax_rows_bf16.restype = None
     return lib
 
 
@@ -111,6 +113,7 @@ def decode_attention(
     if (
         num_heads % num_kv_heads
         or num_heads // num_kv_heads > _MAX_GROUP
+        or num_heads > _MAX_HEADS
         or head_dim > _MAX_HEAD_DIM
         or page > _MAX_PAGE
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
@@ -188,4 +191,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], width))
     lib.silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), out.numel() // width, width, torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=1)`` of a 2-D bf16 tensor with contiguous rows (torch's bf16 argmax on
+    CPU is slower than widening to float32 first); None when not covered. Rows are
+    assumed free of NaN."""
+    if not _bf16_cpu(x) or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out

@@ -1,6 +1,6 @@
 """The one switch between kernel implementations: Triton on CUDA; on CPU the native kernels
 of ``cpu_kernels.c`` where they cover the tensors (decode attention in bf16 and fp32;
-RMSNorm, RoPE and SiLU-and-mul in bf16), torch references elsewhere.
+RMSNorm, RoPE, SiLU-and-mul and the logits' argmax in bf16), torch references elsewhere.
 
 Models call these functions and nothing else, so changing the backend changes nothing
 above this file. The backend follows the tensors' device; ``KVROUTE_KERNELS=torch``
@@ -100,6 +100,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return native
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=1)`` (the first of equal maxima) of ``[rows, cols]`` logits, in any
+    float dtype: native for bf16 on CPU, where torch's own bf16 argmax is slow."""
+    native = cpu_kernels.argmax_rows(x) if _native() else None
+    return native if native is not None else x.argmax(dim=1)
 
 
 def store_kv(

@@ -130,8 +130,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[num_sampling_rows, vocab]`` for the rows
-        whose chunk reaches their last known token, in row order."""
+        """Run one step; returns the logits ``[num_sampling_rows, vocab]`` (the model's
+        dtype) of the rows whose chunk reaches their last known token, in row order."""
         if step.copies:
             self.copy_blocks(step)
         bs = self.block_size
@@ -180,7 +180,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:  # [len(logit_rows), vocab]
         if not logit_rows:
-            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.empty((0, self.arch.vocab_size), dtype=self.dtype, device=self.device)
         if len(logit_rows) == hidden.shape[0]:  # decode: every row samples, in order
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from kvroute.kernels import ops
 from kvroute.replica.outputs import TokenLogprob
 from kvroute.replica.sampling_params import SampleRequest, SamplerOutput, SamplingParams
 
@@ -61,6 +62,12 @@ def _needs_penalties(p: SamplingParams) -> bool:
 
 def _needs_filters(p: SamplingParams) -> bool:
     return p.temperature != 1.0 or p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _plain_greedy(row: SampleRequest) -> bool:
+    """The row's token is the argmax of its raw logits, and nothing else is asked."""
+    p = row.params
+    return p.greedy and p.logprobs is None and not _needs_penalties(p) and not _needs_min_tokens(row)
 
 
 def _pairs(rows: list[int], seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,12 +258,16 @@ class Sampler:
         """``logits``: ``[num_rows, vocab]``, any float dtype (computed in float32)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
-        raw = logits.float()
-        device = raw.device
         num_rows = len(rows)
-        token_ids: list[int] = [0] * num_rows
         if num_rows == 0:
             return SamplerOutput([], [])
+        if all(_plain_greedy(r) for r in rows):
+            # widening is exact and keeps the order, so the argmax of the logits as they
+            # are is the argmax in float32 (the first of equal maxima either way)
+            return SamplerOutput(ops.argmax_rows(logits).tolist(), [None] * num_rows)
+        raw = logits.float()
+        device = raw.device
+        token_ids: list[int] = [0] * num_rows
 
         processed = apply_penalties(raw, rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]

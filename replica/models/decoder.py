@@ -195,5 +195,5 @@ class DecoderForCausalLM(nn.Module):
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], the model's dtype
+        return self.lm_head(hidden)

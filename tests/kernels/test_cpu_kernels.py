@@ -86,6 +86,12 @@ def test_native_decode_declines_what_it_does_not_cover():
         q.float(), kc.float(), vc.float(), meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out.float(), 0.1
     )
     assert out.abs().sum() == 0
+    # 160 query heads (a group of 10 over 16 KV heads) exceed the per-thread state
+    kc16, vc16, meta16, *_ = build_batch(ctx_lens, q_lens, 16, 16, 64, torch.float32, device="cpu")
+    q160 = torch.randn(1, 160, 64)
+    assert not cpu_kernels.decode_attention(
+        q160, kc16, vc16, meta16.block_tables, meta16.seq_lens, meta16.query_start_loc[:-1], torch.zeros_like(q160), 0.1
+    )
     # ...and the op falls back to the reference path for them
     torch.testing.assert_close(
         paged_attention_cpu(q.float(), kc.float(), vc.float(), meta, 0.1),
@@ -134,6 +140,20 @@ def test_native_silu_and_mul(rows, width):
     got = cpu_kernels.silu_and_mul(gate_up)
     torch.testing.assert_close(got, F.silu(gate) * up, atol=ULP, rtol=ULP)
     assert torch.equal(ops.silu_and_mul(gate_up), got)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 7), (3, 1000), (64, 49152)])  # 64 x 49152: threaded
+def test_native_argmax_rows_is_torch_argmax_with_first_of_ties(rows, cols):
+    x = torch.randn(rows + 1, cols, generator=torch.Generator().manual_seed(6)).bfloat16()[:rows]  # a row view
+    x[0, -1] = 100.0  # the maximum on the last column
+    if cols > 2:
+        x[-1, 1] = x[-1, cols - 1] = 200.0  # equal maxima: the first wins
+    x[-1, 0] = -0.0
+    got = cpu_kernels.argmax_rows(x)
+    assert torch.equal(got, x.float().argmax(dim=1))
+    assert torch.equal(ops.argmax_rows(x), got)
+    assert cpu_kernels.argmax_rows(x.float()) is None  # bf16 only; ops falls back
+    assert torch.equal(ops.argmax_rows(x.float()), got)
 
 
 def test_ops_use_the_references_when_the_backend_is_forced_to_torch():

@@ -47,10 +47,29 @@ def test_greedy_ties_go_to_lowest_id():
     assert out.token_ids == [3, 2]
 
 
-def test_greedy_accepts_half_precision():
-    logits = rand_logits(4).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_accepts_half_precision(dtype):
+    logits = rand_logits(4).to(dtype)
+    logits[1, [5, 9]] = 20.0  # ties in the model's dtype go to the lowest id too
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(4)])
     assert out.token_ids == logits.float().argmax(dim=1).tolist()
+    assert out.token_ids[1] == 5
+
+
+def test_half_precision_greedy_rows_that_need_more_than_an_argmax():
+    """bf16 logits with a penalty, min_tokens and logprobs in the batch: the rows are
+    processed in float32 as before (the argmax-only shortcut does not apply)."""
+    logits = rand_logits(3).to(torch.bfloat16)
+    rows = [
+        row(SamplingParams(temperature=0.0, repetition_penalty=1e6), prompt=[int(logits[0].float().argmax())]),
+        row(SamplingParams(temperature=0.0, min_tokens=1), eos={int(logits[1].float().argmax())}),
+        row(SamplingParams(temperature=0.0, logprobs=1)),
+    ]
+    out = Sampler()(logits, rows)
+    want = Sampler()(logits.float(), rows)
+    assert out.token_ids == want.token_ids
+    assert out.token_ids[0] != logits[0].float().argmax() and out.token_ids[1] != logits[1].float().argmax()
+    assert out.logprobs[2] is not None and out.logprobs[2].token_id == out.token_ids[2]
 
 
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 2.5, 100.0])
