@@ -42,6 +42,7 @@ def native_built() -> None:
     [
         ([0, 17, 33, 300, 64], [1, 1, 1, 1, 1]),  # a pure decode step; one sequence of length 1
         ([0, 17, 33, 0, 64], [5, 1, 15, 1, 1]),  # decodes mixed with prefill chunks
+        ([40, 0, 7], [300, 129, 1]),  # chunks of several query tiles, with and without context
     ],
 )
 @pytest.mark.parametrize("gqa", [1, 3, 8])
@@ -170,6 +171,14 @@ def test_packed_linear_is_bitwise_the_linear(bias):
     for rows in (1, 64, 300):
         x = torch.randn(rows, 576).bfloat16()
         assert torch.equal(packed(x), lin(x))
+
+
+def test_packed_linear_in_float32_is_the_linear_up_to_summation_order():
+    lin = torch.nn.Linear(576, 1536)
+    packed = PackedLinear(lin)
+    for rows in (1, 64, 300):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
 
 
 def test_loading_the_kernels_keeps_subnormal_floats():
