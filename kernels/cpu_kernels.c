@@ -28,6 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16;
 
@@ -298,6 +301,196 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
 
 DEFINE_DECODE(paged_decode_attention_f32, float)
 DEFINE_DECODE(paged_decode_attention_bf16, bf16)
+
+/* ---- Prefill attention: each sequence's chunk of q_lens[s] new tokens (rows rows[s] ..
+ * rows[s] + q_lens[s] - 1 of q and out) attends causally over its seq_lens[s] positions,
+ * the chunk's own K/V already stored in the cache. Same arguments and limits as decode,
+ * plus q_lens; head_dim must be a multiple of 16.
+ *
+ * One task per (sequence, tile of PREFILL_TILE query positions, KV head): its rows are
+ * the tile's positions times the head's GROUP query heads (GQA without repeating K/V),
+ * and it walks the keys the tile's last position can see in chunks of 16 positions (never
+ * crossing a page), widened to float32 once per chunk for all rows: the chunk's K
+ * transposed ([head_dim][16], so the scores of 16 keys are one 16-wide multiply-add per
+ * dimension) and its V rows. Scores, softmax and the accumulators are float32, with the
+ * same online softmax as decode; rows go four at a time, so each K or V vector loaded
+ * serves four rows. The last tiles of a sequence see the most keys: they are handed out
+ * first. */
+#define PREFILL_TILE 16
+#define ROW_BLOCK 4
+#define KEY_CHUNK 16
+
+/* Four rows' scores against a chunk's 16 keys: s[i][j] = q_i . k_j, kt = the chunk's K
+ * transposed ([head_dim][16]); and four rows' accumulators (16-float slices) += their
+ * probabilities times the chunk's n V rows. The AVX-512 versions keep the accumulators in
+ * registers (the compiler spilled them to the stack on every step of the loop). */
+#if defined(__AVX512F__)
+static inline void scores4(const float* q0, int head_dim, const float kt[][KEY_CHUNK], float s[][KEY_CHUNK]) {
+    const float *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d++) {
+        const __m512 k = _mm512_loadu_ps(kt[d]);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[d]), k, a1);
+        a2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[d]), k, a2);
+        a3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[d]), k, a3);
+    }
+    _mm512_storeu_ps(s[0], a0); _mm512_storeu_ps(s[1], a1); _mm512_storeu_ps(s[2], a2); _mm512_storeu_ps(s[3], a3);
+}
+
+static inline void values4(float* acc0, int head_dim, const float p[][KEY_CHUNK], const float vb[][MAX_HEAD_DIM], int n) {
+    for (int c = 0; c < head_dim; c += 16) {
+        float *o0 = acc0 + c, *o1 = o0 + head_dim, *o2 = o1 + head_dim, *o3 = o2 + head_dim;
+        __m512 a0 = _mm512_loadu_ps(o0), a1 = _mm512_loadu_ps(o1), a2 = _mm512_loadu_ps(o2), a3 = _mm512_loadu_ps(o3);
+        for (int j = 0; j < n; j++) {
+            const __m512 v = _mm512_loadu_ps(vb[j] + c);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[0][j]), v, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[1][j]), v, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[2][j]), v, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[3][j]), v, a3);
+        }
+        _mm512_storeu_ps(o0, a0); _mm512_storeu_ps(o1, a1); _mm512_storeu_ps(o2, a2); _mm512_storeu_ps(o3, a3);
+    }
+}
+#else
+static inline void scores4(const float* q0, int head_dim, const float kt[][KEY_CHUNK], float s[][KEY_CHUNK]) {
+    for (int i = 0; i < ROW_BLOCK; i++) {
+        const float* qi = q0 + (int64_t)i * head_dim;
+        float a[KEY_CHUNK] = {0};
+        for (int d = 0; d < head_dim; d++) {
+            _Pragma("omp simd")
+            for (int j = 0; j < KEY_CHUNK; j++) a[j] += qi[d] * kt[d][j];
+        }
+        for (int j = 0; j < KEY_CHUNK; j++) s[i][j] = a[j];
+    }
+}
+
+static inline void values4(float* acc0, int head_dim, const float p[][KEY_CHUNK], const float vb[][MAX_HEAD_DIM], int n) {
+    for (int i = 0; i < ROW_BLOCK; i++) {
+        float* o = acc0 + (int64_t)i * head_dim;
+        for (int j = 0; j < n; j++) {
+            const float pj = p[i][j];
+            _Pragma("omp simd")
+            for (int d = 0; d < head_dim; d++) o[d] += pj * vb[j][d];
+        }
+    }
+}
+#endif
+
+#define DEFINE_PREFILL(NAME, T)                                                                 \
+int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,                     \
+         const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,              \
+         const int64_t* rows, const int32_t* q_lens, T* out, int64_t out_stride, int num_seqs,  \
+         int num_heads, int num_kv_heads, int head_dim, int page, float scale, int num_threads) { \
+    const int group = num_heads / num_kv_heads;                                                 \
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % 16 || page > MAX_PAGE)      \
+        return -1;                                                                              \
+    const int64_t row_elems = (int64_t)num_kv_heads * head_dim;                                 \
+    const int64_t page_elems = (int64_t)page * row_elems;                                       \
+    /* tasks: (sequence, tile) pairs in order, times the KV heads */                            \
+    int64_t num_tiles = 0;                                                                      \
+    for (int s = 0; s < num_seqs; s++) num_tiles += (q_lens[s] + PREFILL_TILE - 1) / PREFILL_TILE; \
+    int32_t* tile_seq = malloc(sizeof(int32_t) * (num_tiles + 1));                             \
+    int32_t* tile_start = malloc(sizeof(int32_t) * (num_tiles + 1));                           \
+    if (!tile_seq || !tile_start) { free(tile_seq); free(tile_start); return -1; }              \
+    int64_t t_i = 0;                                                                            \
+    for (int s = 0; s < num_seqs; s++)                                                          \
+        for (int i = 0; i < q_lens[s]; i += PREFILL_TILE) { tile_seq[t_i] = s; tile_start[t_i++] = i; } \
+    const int max_rows = (PREFILL_TILE * group + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;         \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel num_threads(num_threads)")                                            \
+    {                                                                                           \
+        float* qf = malloc(sizeof(float) * max_rows * head_dim);                                \
+        float* acc = malloc(sizeof(float) * max_rows * head_dim);                               \
+        if (!qf || !acc) {                                                                      \
+            _Pragma("omp atomic write")                                                         \
+            failed = 1;                                                                         \
+        }                                                                                       \
+        float kt[MAX_HEAD_DIM][KEY_CHUNK], vb[KEY_CHUNK][MAX_HEAD_DIM];                         \
+        float sc[PREFILL_TILE * MAX_GROUP + ROW_BLOCK][KEY_CHUNK];                              \
+        float mx[PREFILL_TILE * MAX_GROUP + ROW_BLOCK], sum[PREFILL_TILE * MAX_GROUP + ROW_BLOCK]; \
+        int last[PREFILL_TILE * MAX_GROUP + ROW_BLOCK]; /* each row's last visible key */       \
+        _Pragma("omp for schedule(dynamic, 1)")                                                 \
+        for (int64_t task = num_tiles * num_kv_heads - 1; task >= 0; task--) {                  \
+            if (!qf || !acc) continue;                                                          \
+            const int64_t tile = task / num_kv_heads;                                           \
+            const int kvh = (int)(task % num_kv_heads);                                         \
+            const int s = tile_seq[tile], i0 = tile_start[tile];                                \
+            const int nq = q_lens[s] - i0 < PREFILL_TILE ? q_lens[s] - i0 : PREFILL_TILE;       \
+            const int ctx = seq_lens[s] - q_lens[s];                                            \
+            const int nrows = nq * group;                                                       \
+            const int padded = (nrows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;                 \
+            /* row r = position r / group of the tile, query head kvh * group + r % group */    \
+            for (int r = 0; r < padded; r++) {                                                  \
+                float* qr = qf + (int64_t)r * head_dim;                                         \
+                float* ar = acc + (int64_t)r * head_dim;                                        \
+                const int rr = r < nrows ? r : nrows - 1; /* padding repeats the last row */    \
+                const T* src = q + (rows[s] + i0 + rr / group) * q_stride                       \
+                               + (int64_t)(kvh * group + rr % group) * head_dim;                \
+                for (int d = 0; d < head_dim; d++) { qr[d] = LOAD_##T(src[d]) * scale; ar[d] = 0.0f; } \
+                mx[r] = -1e30f;                                                                 \
+                sum[r] = 0.0f;                                                                  \
+                last[r] = ctx + i0 + rr / group;                                                \
+            }                                                                                   \
+            const int32_t* table = block_tables + (int64_t)s * bt_stride;                      \
+            const int end = ctx + i0 + nq; /* keys 0 .. end - 1 are seen by some row */         \
+            for (int k0 = 0, n = 0; k0 < end; k0 += n) {                                        \
+                const int in_page = page - k0 % page; /* a chunk never crosses a page */        \
+                n = end - k0 < KEY_CHUNK ? end - k0 : KEY_CHUNK;                                \
+                n = n < in_page ? n : in_page;                                                  \
+                const int64_t base = (int64_t)table[k0 / page] * page_elems + (int64_t)(k0 % page) * row_elems \
+                                     + (int64_t)kvh * head_dim;                                 \
+                for (int j = 0; j < KEY_CHUNK; j++) {                                           \
+                    const T* kr = k_cache + base + (int64_t)j * row_elems;                      \
+                    const T* vr = v_cache + base + (int64_t)j * row_elems;                      \
+                    if (j < n) {                                                                \
+                        for (int d = 0; d < head_dim; d++) { kt[d][j] = LOAD_##T(kr[d]); vb[j][d] = LOAD_##T(vr[d]); } \
+                    } else {                                                                    \
+                        for (int d = 0; d < head_dim; d++) { kt[d][j] = 0.0f; vb[j][d] = 0.0f; } \
+                    }                                                                           \
+                }                                                                               \
+                for (int r = 0; r < padded; r += ROW_BLOCK)                                     \
+                    scores4(qf + (int64_t)r * head_dim, head_dim, kt, sc + r);                  \
+                for (int r = 0; r < padded; r++) {                                             \
+                    const int seen = last[r] - k0 + 1 < n ? last[r] - k0 + 1 : n; /* >= 0 keys */ \
+                    float m = mx[r];                                                            \
+                    for (int j = 0; j < seen; j++) m = sc[r][j] > m ? sc[r][j] : m;             \
+                    const float shrink = exp_nonpositive(mx[r] - m);                            \
+                    float add = 0.0f;                                                           \
+                    _Pragma("omp simd reduction(+:add)")                                        \
+                    for (int j = 0; j < KEY_CHUNK; j++) {                                       \
+                        sc[r][j] = j < seen ? exp_nonpositive(sc[r][j] - m) : 0.0f;             \
+                        add += sc[r][j];                                                        \
+                    }                                                                           \
+                    sum[r] = sum[r] * shrink + add;                                             \
+                    mx[r] = m;                                                                  \
+                    if (shrink != 1.0f) {                                                       \
+                        float* ar = acc + (int64_t)r * head_dim;                                \
+                        _Pragma("omp simd")                                                     \
+                        for (int d = 0; d < head_dim; d++) ar[d] *= shrink;                     \
+                    }                                                                           \
+                }                                                                               \
+                for (int r = 0; r < padded; r += ROW_BLOCK)                                     \
+                    values4(acc + (int64_t)r * head_dim, head_dim, sc + r, vb, n);              \
+            }                                                                                   \
+            for (int r = 0; r < nrows; r++) {                                                   \
+                T* dst = out + (rows[s] + i0 + r / group) * out_stride                          \
+                         + (int64_t)(kvh * group + r % group) * head_dim;                       \
+                const float inv = 1.0f / sum[r];                                                \
+                const float* ar = acc + (int64_t)r * head_dim;                                  \
+                for (int d = 0; d < head_dim; d++) dst[d] = STORE_##T(ar[d] * inv);             \
+            }                                                                                   \
+        }                                                                                       \
+        free(qf);                                                                               \
+        free(acc);                                                                              \
+    }                                                                                           \
+    free(tile_seq);                                                                             \
+    free(tile_start);                                                                           \
+    return failed ? -1 : 0;                                                                     \
+}
+
+DEFINE_PREFILL(paged_prefill_attention_f32, float)
+DEFINE_PREFILL(paged_prefill_attention_bf16, bf16)
 
 /* ---- Elementwise kernels of a layer (bf16), rounding where the torch references round,
  * so each matches its reference bit for bit except for the order of a float32 sum

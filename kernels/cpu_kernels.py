@@ -32,6 +32,7 @@ _FLAGS = [
     "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffinite-math-only",
 ]
 _FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+_PREFILL_FUNCS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: "paged_prefill_attention_bf16"}
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE, _MAX_HEADS = 16, 256, 256, 128  # the C file's limits
 
 
@@ -77,6 +78,9 @@ def _library() -> ctypes.CDLL | None:
     for name in _FUNCS.values():
         getattr(lib, name).argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         getattr(lib, name).restype = ctypes.c_int
+    for name in _PREFILL_FUNCS.values():
+        getattr(lib, name).argtypes = [p, i64, p, p, p, i64, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
+        getattr(lib, name).restype = ctypes.c_int
     lib.add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i32, f32, i32]
     lib.add_rms_norm_bf16.restype = ctypes.c_int
     lib.rotary_bf16.argtypes = [p, i64, i64, i32, i32, p, p, i32]
@@ -105,7 +109,30 @@ def decode_attention(
     """Single-token attention of the given sequences, in place into ``out``. Returns
     False (nothing written) when the native kernel is unavailable or does not cover these
     tensors (dtype, layout, sizes), so the caller falls back."""
-    fn_name = _FUNCS.get(query.dtype)
+    return _attention(_FUNCS, query, key_cache, value_cache, block_tables, seq_lens, rows, None, out, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, page, KVH, D]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached context + new tokens
+    rows: torch.Tensor,  # [num_seqs] int64: each sequence's first query row
+    q_lens: torch.Tensor,  # [num_seqs] int32: its new tokens (rows rows[s] .. + q_lens[s] - 1)
+    out: torch.Tensor,  # [T, H, D], written at those rows
+    scale: float,
+) -> bool:
+    """Causal attention of the given sequences' new tokens over their whole prefix (their
+    own K/V already stored), in place into ``out``; False (nothing written) when not
+    covered, as decode_attention."""
+    if query.shape[2] % 16:
+        return False
+    return _attention(_PREFILL_FUNCS, query, key_cache, value_cache, block_tables, seq_lens, rows, q_lens, out, scale)
+
+
+def _attention(funcs, query, key_cache, value_cache, block_tables, seq_lens, rows, q_lens, out, scale) -> bool:
+    fn_name = funcs.get(query.dtype)
     if fn_name is None or query.device.type != "cpu" or key_cache.dtype != query.dtype:
         return False
     num_heads, head_dim = query.shape[1:]
@@ -127,11 +154,12 @@ def decode_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     rows = rows.to(torch.int64).contiguous()
+    extra = [] if q_lens is None else [q_lens.to(torch.int32).contiguous()]
     rc = getattr(lib, fn_name)(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(),
-        out.data_ptr(), out.stride(0), rows.numel(), num_heads, num_kv_heads, head_dim, page,
-        scale, torch.get_num_threads(),
+        *[t.data_ptr() for t in extra], out.data_ptr(), out.stride(0), rows.numel(), num_heads, num_kv_heads,
+        head_dim, page, scale, torch.get_num_threads(),
     )  # fmt: skip
     return rc == 0
 

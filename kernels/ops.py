@@ -136,7 +136,7 @@ def paged_attention(
     themselves; the step's K/V must already be stored (``key``/``value`` are an optional
     shortcut the reference may use)."""
     if not uses_triton(query.device):
-        return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value, native_decode=_native())
+        return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value, native=_native())
     splits = 1
     if meta.max_query_len == 1 and query.shape[0] == meta.seq_lens.shape[0]:
         splits = decode_splits(query.shape[0], key_cache.shape[2], query.device)

@@ -33,15 +33,16 @@ def paged_attention_reference(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's K
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's V
-    native_decode: bool = False,
+    native: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole prefix.
 
     The step's K/V must already be stored in the cache. ``key``/``value`` are an
     optional shortcut: a sequence with no cached context reads them directly instead
-    of gathering from the cache (same values, less copying). ``native_decode`` (the
-    engine's CPU path): single-token sequences go to the native decode kernel
-    (``cpu_kernels.c``: pages read in place, no gather, no padding) when it covers them.
+    of gathering from the cache (same values, less copying). ``native`` (the engine's CPU
+    path): single-token sequences go to the native decode kernel and longer chunks to the
+    native prefill kernel (``cpu_kernels.c``: pages read in place, no gather, no padding,
+    GQA without repeating K/V) when they cover them.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -52,7 +53,7 @@ def paged_attention_reference(
     qsl = meta.query_start_loc_cpu
     decodes = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] == 1]
     decoded: set[int] = set()
-    if decodes and native_decode and _native_decode(query, key_cache, value_cache, meta, scale, decodes, out):
+    if decodes and native and _native(cpu_kernels.decode_attention, query, key_cache, value_cache, meta, scale, decodes, out):
         decoded = set(decodes)
     elif len(decodes) > 1:
         # Batches of similar length, so padding to the longest wastes little.
@@ -60,6 +61,9 @@ def paged_attention_reference(
         for i in range(0, len(decodes), _DECODE_GROUP):
             _decode_batch(query, key_cache, value_cache, meta, scale, decodes[i : i + _DECODE_GROUP], out)
         decoded = set(decodes)
+    chunks = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] > 1]
+    if chunks and native and _native(cpu_kernels.prefill_attention, query, key_cache, value_cache, meta, scale, chunks, out):
+        decoded.update(chunks)
     for s in range(meta.num_seqs):
         if s in decoded:
             continue
@@ -96,7 +100,8 @@ def paged_attention_reference(
     return out
 
 
-def _native_decode(
+def _native(
+    kernel,  # cpu_kernels.decode_attention or prefill_attention
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -105,12 +110,15 @@ def _native_decode(
     seqs: list[int],
     out: torch.Tensor,
 ) -> bool:
-    if len(seqs) == meta.num_seqs:  # a pure decode step: the metadata as it is
-        tables, lens, rows = meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1]
+    qsl = meta.query_start_loc
+    if len(seqs) == meta.num_seqs:  # every sequence of the step: the metadata as it is
+        tables, lens, rows, q_lens = meta.block_tables, meta.seq_lens, qsl[:-1], qsl[1:] - qsl[:-1]
     else:
         idx = torch.tensor(seqs, device=query.device)
-        tables, lens, rows = meta.block_tables[idx], meta.seq_lens[idx], meta.query_start_loc[idx]
-    return cpu_kernels.decode_attention(query, key_cache, value_cache, tables, lens, rows, out, scale)
+        tables, lens, rows, q_lens = meta.block_tables[idx], meta.seq_lens[idx], qsl[idx], qsl[idx + 1] - qsl[idx]
+    if kernel is cpu_kernels.decode_attention:
+        return kernel(query, key_cache, value_cache, tables, lens, rows, out, scale)
+    return kernel(query, key_cache, value_cache, tables, lens, rows, q_lens, out, scale)
 
 
 def _decode_batch(

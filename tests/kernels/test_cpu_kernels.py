@@ -26,7 +26,7 @@ from tests.kernels.batches import build_batch, dense_attention
 
 
 def paged_attention_cpu(*args):
-    return paged_attention_reference(*args, native_decode=True)
+    return paged_attention_reference(*args, native=True)
 
 ULP = 1e-2  # one bf16 ulp of values of order 1 (relative 2^-7)
 
@@ -46,9 +46,9 @@ def native_built() -> None:
     ],
 )
 @pytest.mark.parametrize("gqa", [1, 3, 8])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (8, 16), (24, 32)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_attention_matches_dense(ctx_lens, q_lens, gqa, block_size, head_dim, dtype, tol):
+def test_native_attention_matches_dense(ctx_lens, q_lens, gqa, block_size, head_dim, dtype, tol):
     kvh = 2
     kc, vc, meta, full_k, full_v, new_k, new_v = build_batch(ctx_lens, q_lens, block_size, kvh, head_dim, dtype, device="cpu")
     store_kv_reference(new_k, new_v, kc, vc, meta.slot_mapping)
