@@ -1,7 +1,8 @@
 /* Native CPU kernels, loaded by kernels/cpu_kernels.py.
  *
- * Paged decode attention: every single-token sequence of a step attends over
- * its cached K/V read in place through its block table (no gather, no padding).
+ * Paged attention: every single-token sequence of a step (decode) and every longer
+ * chunk (prefill, below DEFINE_PREFILL) attends over its cached K/V read in place through
+ * its block table (no gather, no padding).
  *
  * One task per sequence walks its pages once. For each page it takes every KV head in
  * turn, the head's GROUP query heads together, so each K/V row is read once per group and
@@ -73,6 +74,28 @@ static inline float exp_nonpositive(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* One row's online-softmax step over a new block of scores sc[0 .. width): the first n
+ * count (the rest become 0). sc becomes the block's weights e^(s - max), the running max
+ * and sum are updated, and the row's accumulator acc[0 .. head_dim) is rescaled when the
+ * max grew. */
+static inline void online_softmax(float* sc, int n, int width, float* mx, float* sum, float* acc, int head_dim) {
+    float m = *mx;
+    for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+    const float shrink = exp_nonpositive(*mx - m);
+    float add = 0.0f;
+    #pragma omp simd reduction(+:add)
+    for (int j = 0; j < width; j++) {
+        sc[j] = j < n ? exp_nonpositive(sc[j] - m) : 0.0f;
+        add += sc[j];
+    }
+    *sum = *sum * shrink + add;
+    *mx = m;
+    if (shrink != 1.0f) {
+        #pragma omp simd
+        for (int d = 0; d < head_dim; d++) acc[d] *= shrink;
+    }
 }
 
 #define LOAD_float(p) (p)
@@ -254,24 +277,8 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
                             }                                                                   \
                         }                                                                       \
                     }                                                                           \
-                    for (int g = 0; g < group; g++) {                                           \
-                        const int h = h0 + g;                                                   \
-                        float m = mx[h];                                                        \
-                        for (int j = 0; j < n; j++) m = sc[g][j] > m ? sc[g][j] : m;            \
-                        const float shrink = exp_nonpositive(mx[h] - m);                        \
-                        float add = 0.0f;                                                       \
-                        _Pragma("omp simd reduction(+:add)")                                    \
-                        for (int j = 0; j < n; j++) {                                           \
-                            sc[g][j] = exp_nonpositive(sc[g][j] - m);                           \
-                            add += sc[g][j];                                                    \
-                        }                                                                       \
-                        sum[h] = sum[h] * shrink + add;                                         \
-                        mx[h] = m;                                                              \
-                        if (shrink != 1.0f) {                                                   \
-                            _Pragma("omp simd")                                                 \
-                            for (int d = 0; d < head_dim; d++) acc[h][d] *= shrink;             \
-                        }                                                                       \
-                    }                                                                           \
+                    for (int g = 0; g < group; g++)                                             \
+                        online_softmax(sc[g], n, n, &mx[h0 + g], &sum[h0 + g], acc[h0 + g], head_dim); \
                     if (!PAGE_VALUES_##T(sc, group, head_dim, vp, row_elems, n, acc + h0)) {    \
                         for (int j = 0; j < n; j++) {                                           \
                             const T* vrow = vp + j * row_elems;                                 \
@@ -451,24 +458,9 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
                 }                                                                               \
                 for (int r = 0; r < padded; r += ROW_BLOCK)                                     \
                     scores4(qf + (int64_t)r * head_dim, head_dim, kt, sc + r);                  \
-                for (int r = 0; r < padded; r++) {                                             \
+                for (int r = 0; r < padded; r++) {                                              \
                     const int seen = last[r] - k0 + 1 < n ? last[r] - k0 + 1 : n; /* >= 0 keys */ \
-                    float m = mx[r];                                                            \
-                    for (int j = 0; j < seen; j++) m = sc[r][j] > m ? sc[r][j] : m;             \
-                    const float shrink = exp_nonpositive(mx[r] - m);                            \
-                    float add = 0.0f;                                                           \
-                    _Pragma("omp simd reduction(+:add)")                                        \
-                    for (int j = 0; j < KEY_CHUNK; j++) {                                       \
-                        sc[r][j] = j < seen ? exp_nonpositive(sc[r][j] - m) : 0.0f;             \
-                        add += sc[r][j];                                                        \
-                    }                                                                           \
-                    sum[r] = sum[r] * shrink + add;                                             \
-                    mx[r] = m;                                                                  \
-                    if (shrink != 1.0f) {                                                       \
-                        float* ar = acc + (int64_t)r * head_dim;                                \
-                        _Pragma("omp simd")                                                     \
-                        for (int d = 0; d < head_dim; d++) ar[d] *= shrink;                     \
-                    }                                                                           \
+                    online_softmax(sc[r], seen, KEY_CHUNK, &mx[r], &sum[r], acc + (int64_t)r * head_dim, head_dim); \
                 }                                                                               \
                 for (int r = 0; r < padded; r += ROW_BLOCK)                                     \
                     values4(acc + (int64_t)r * head_dim, head_dim, sc + r, vb, n);              \
