@@ -110,7 +110,6 @@ static inline void online_softmax(float* sc, int n, int width, float* mx, float*
  * instead of one reduction per dot product. Returns 0 when not applicable (the caller
  * runs the portable loop). */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 
 static inline __m512 sum16(const __m512 a[16]) {
     __m512 b[8], c[4], d[2];

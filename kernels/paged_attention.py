@@ -52,20 +52,24 @@ def paged_attention_reference(
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
     decodes = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] == 1]
-    decoded: set[int] = set()
-    if decodes and native and _native(cpu_kernels.decode_attention, query, key_cache, value_cache, meta, scale, decodes, out):
-        decoded = set(decodes)
-    elif len(decodes) > 1:
+    done: set[int] = set()  # sequences whose rows of ``out`` are written
+    if decodes and native:
+        tables, lens, rows, _ = _select(meta, decodes, query.device)
+        if cpu_kernels.decode_attention(query, key_cache, value_cache, tables, lens, rows, out, scale):
+            done.update(decodes)
+    if len(decodes) > 1 and not done:
         # Batches of similar length, so padding to the longest wastes little.
         decodes.sort(key=lambda s: meta.seq_lens_cpu[s])
         for i in range(0, len(decodes), _DECODE_GROUP):
             _decode_batch(query, key_cache, value_cache, meta, scale, decodes[i : i + _DECODE_GROUP], out)
-        decoded = set(decodes)
+        done.update(decodes)
     chunks = [s for s in range(meta.num_seqs) if qsl[s + 1] - qsl[s] > 1]
-    if chunks and native and _native(cpu_kernels.prefill_attention, query, key_cache, value_cache, meta, scale, chunks, out):
-        decoded.update(chunks)
+    if chunks and native:
+        tables, lens, rows, q_lens = _select(meta, chunks, query.device)
+        if cpu_kernels.prefill_attention(query, key_cache, value_cache, tables, lens, rows, q_lens, out, scale):
+            done.update(chunks)
     for s in range(meta.num_seqs):
-        if s in decoded:
+        if s in done:
             continue
         q0, q1 = qsl[s], qsl[s + 1]
         q_len, ctx, seq_len = q1 - q0, meta.context_lens_cpu[s], meta.seq_lens_cpu[s]
@@ -100,25 +104,16 @@ def paged_attention_reference(
     return out
 
 
-def _native(
-    kernel,  # cpu_kernels.decode_attention or prefill_attention
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    seqs: list[int],
-    out: torch.Tensor,
-) -> bool:
+def _select(
+    meta: AttentionMetadata, seqs: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block tables, sequence lengths, first query rows and query lengths of
+    ``seqs``, as the native kernels take them."""
     qsl = meta.query_start_loc
     if len(seqs) == meta.num_seqs:  # every sequence of the step: the metadata as it is
-        tables, lens, rows, q_lens = meta.block_tables, meta.seq_lens, qsl[:-1], qsl[1:] - qsl[:-1]
-    else:
-        idx = torch.tensor(seqs, device=query.device)
-        tables, lens, rows, q_lens = meta.block_tables[idx], meta.seq_lens[idx], qsl[idx], qsl[idx + 1] - qsl[idx]
-    if kernel is cpu_kernels.decode_attention:
-        return kernel(query, key_cache, value_cache, tables, lens, rows, out, scale)
-    return kernel(query, key_cache, value_cache, tables, lens, rows, q_lens, out, scale)
+        return meta.block_tables, meta.seq_lens, qsl[:-1], qsl[1:] - qsl[:-1]
+    idx = torch.tensor(seqs, device=device)
+    return meta.block_tables[idx], meta.seq_lens[idx], qsl[idx], qsl[idx + 1] - qsl[idx]
 
 
 def _decode_batch(
