@@ -66,9 +66,9 @@ SCENARIOS = {
     "multi-turn": Scenario("multi-turn"),
     "scale-out": Scenario("generated-shared-prefix", add_fraction=1 / 4),
 }
-# the simulator's stand-in for each router (vllm-router's cache_aware is a port of SGLang's)
+# the simulator's stand-in for each router
 SIM_POLICY = {"kvroute": "kvroute", "prefix_affinity_ray": "prefix_affinity_ray", "power_of_two": "power_of_two",
-              "round_robin": "round_robin", "sglang_router": "cache_aware_sglang", "vllm_router": "cache_aware_sglang"}
+              "round_robin": "round_robin", "sglang_router": "cache_aware_sglang", "vllm_router": "cache_aware_vllm"}
 BLOCK_SIZE = 16
 MAX_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 256

@@ -29,7 +29,7 @@ from kvroute.replica.profiles import StepProfile, cpu_measured, gpu_h100_llama3_
 COST_MODELS = {"gpu": gpu_h100_llama3_8b, "cpu": cpu_measured}  # --hardware: the profiles the simulator offers
 
 ALL_POLICIES = [
-    "kvroute", "round_robin", "power_of_two", "cache_aware_sglang", "prefix_affinity_ray",
+    "kvroute", "round_robin", "power_of_two", "cache_aware_sglang", "cache_aware_vllm", "prefix_affinity_ray",
     "weighted_scorers_gie", "consistent_hash", "oracle",
 ]  # fmt: skip
 B2B_KV_FRACTION = 0.73  # llm-d: the shared prefixes fill ~73% of the fleet's KV cache

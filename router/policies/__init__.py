@@ -16,6 +16,7 @@ POLICIES: dict[str, str] = {
     "round_robin": "kvroute.router.policies.round_robin:RoundRobinPolicy",
     "power_of_two": "kvroute.router.policies.power_of_two:PowerOfTwoPolicy",
     "cache_aware_sglang": "kvroute.router.policies.cache_aware_sglang:CacheAwareSGLangPolicy",
+    "cache_aware_vllm": "kvroute.router.policies.cache_aware_vllm:CacheAwareVLLMPolicy",
     "prefix_affinity_ray": "kvroute.router.policies.prefix_affinity_ray:PrefixAffinityRayPolicy",
     "weighted_scorers_gie": "kvroute.router.policies.weighted_scorers_gie:WeightedScorersGIEPolicy",
     "consistent_hash": "kvroute.router.policies.consistent_hash:ConsistentHashPolicy",

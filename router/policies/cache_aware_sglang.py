@@ -20,8 +20,11 @@ https://github.com/sgl-project/sglang):
    least-recently-used leaves first once larger than ``max_tree_size``; a removed
    worker's tree is dropped.
 
-Defaults are SGLang's: ``cache_threshold=0.5``, ``balance_abs_threshold=32``,
-``balance_rel_threshold=1.0001``, ``max_tree_size=2**24`` (16,777,216).
+Defaults are those of the sglang-router CLI we benchmark (``python -m
+sglang_router.launch_router --help``, 0.3.x): ``cache_threshold=0.3``,
+``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``, ``max_tree_size=2**26``
+characters (here blocks). Before 2026-11-25 this model took the router guide's older
+0.5 / 32 / 1.0001 / 2**24.
 
 Approximations (ours): the tree is over full-block hashes instead of characters
 (``approx_tree.ApproxPrefixTree``), so match length and tree size are in blocks and a
@@ -41,10 +44,10 @@ from kvroute.router.policies.common import cached_tokens, least_loaded
 from kvroute.router.policy import ClusterView
 from kvroute.router.types import RouteDecision, RouteRequest
 
-SGLANG_CACHE_THRESHOLD = 0.5
-SGLANG_BALANCE_ABS_THRESHOLD = 32
-SGLANG_BALANCE_REL_THRESHOLD = 1.0001
-SGLANG_MAX_TREE_SIZE = 2**24
+SGLANG_CACHE_THRESHOLD = 0.3
+SGLANG_BALANCE_ABS_THRESHOLD = 64
+SGLANG_BALANCE_REL_THRESHOLD = 1.5
+SGLANG_MAX_TREE_SIZE = 2**26
 
 
 class CacheAwareSGLangPolicy(TreePolicy):

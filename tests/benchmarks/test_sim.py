@@ -31,7 +31,7 @@ def test_deterministic_for_fixed_seed(policy):
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "oracle"])
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "oracle", "cache_aware_vllm"])
 def test_counts_add_up_and_no_block_leaks(policy):
     wl = small_gsp()
     m = run(policy, wl)

@@ -11,6 +11,7 @@ from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks
 from kvroute.router.policies import POLICIES, make_policy, policy_names
 from kvroute.router.policies.approx_tree import ApproxPrefixTree
 from kvroute.router.policies.cache_aware_sglang import CacheAwareSGLangPolicy
+from kvroute.router.policies.cache_aware_vllm import CacheAwareVLLMPolicy
 from kvroute.router.policies.consistent_hash import ConsistentHashPolicy
 from kvroute.router.policies.oracle import OraclePolicy
 from kvroute.router.policies.power_of_two import PowerOfTwoPolicy
@@ -131,14 +132,17 @@ def test_approx_tree_evicts_leaves_first_at_the_size_limit():
 # --- SGLang cache_aware -----------------------------------------------------------------
 
 
-def test_sglang_defaults_are_sglangs():
+def test_sglang_defaults_are_the_benchmarked_clis():
     p = CacheAwareSGLangPolicy()
-    assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold) == (0.5, 32, 1.0001)
-    assert p.tree.max_blocks_per_replica == 2**24
+    assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold) == (0.3, 64, 1.5)
+    assert p.tree.max_blocks_per_replica == 2**26
+    v = CacheAwareVLLMPolicy()
+    assert (v.cache_threshold, v.balance_abs_threshold, v.balance_rel_threshold) == (0.3, 64, 1.5)
+    assert v.tree.max_blocks_per_replica == 2**25
 
 
 def test_sglang_high_match_goes_to_best_match_low_match_to_smallest_tree():
-    pol = CacheAwareSGLangPolicy()
+    pol = CacheAwareSGLangPolicy(cache_threshold=0.5)
     view = FakeView()
     first = route(pol, req(prompt(1, 4, suffix=1)), view)
     assert (first.replica_id, first.reason, first.expected_cached_tokens) == (A, "smallest_tree", 0)
@@ -149,7 +153,7 @@ def test_sglang_high_match_goes_to_best_match_low_match_to_smallest_tree():
     d = route(pol, req(prompt(2, 4)), view)
     assert (d.replica_id, d.reason) == (B, "smallest_tree")
     # exactly 0.5 is not > 0.5: A holds 2 of group 3's 4 blocks
-    pol2 = CacheAwareSGLangPolicy()
+    pol2 = CacheAwareSGLangPolicy(cache_threshold=0.5)
     pol2.tree.insert(A, hash_blocks(SPEC, prompt(3, 2)))
     pol2.tree.insert(B, hash_blocks(SPEC, prompt(4, 5)))
     d = pol2.choose(req(prompt(3, 4)), view)
@@ -158,7 +162,7 @@ def test_sglang_high_match_goes_to_best_match_low_match_to_smallest_tree():
     assert pol2.choose(req(prompt(3, 4)), view).reason == "cache_hit"
 
 
-@pytest.mark.parametrize("policy_cls", [CacheAwareSGLangPolicy, PrefixAffinityRayPolicy])
+@pytest.mark.parametrize("policy_cls", [CacheAwareSGLangPolicy, CacheAwareVLLMPolicy, PrefixAffinityRayPolicy])
 def test_text_matching_peers_see_the_prompt_not_the_tenants_salt(policy_cls):
     """Two tenants, one system prompt, different cache_salt: their KV cannot be shared,
     but a router matching text believes it can (the peers' real behaviour)."""
@@ -178,7 +182,7 @@ def test_text_matching_peers_see_the_prompt_not_the_tenants_salt(policy_cls):
 
 
 def test_sglang_imbalance_needs_both_thresholds_and_goes_to_least_loaded():
-    pol = CacheAwareSGLangPolicy()
+    pol = CacheAwareSGLangPolicy(balance_abs_threshold=32, balance_rel_threshold=1.0001)
     r = req(prompt(1, 4))
     pol.tree.insert(A, r.block_hashes)
     # diff 33 > 32 and 33 > 1.0001 * 0 -> imbalanced -> least loaded, despite A's full match
@@ -225,6 +229,45 @@ def test_sglang_on_replica_removed_drops_its_tree():
     assert pol.tree.size(B) == 0
     d = pol.choose(r, view)
     assert (d.replica_id, d.reason) == (A, "smallest_tree")
+
+
+# --- vllm-router cache_aware -------------------------------------------------------------
+
+
+def test_vllm_high_match_follows_the_last_replica_routed_that_text():
+    pol = CacheAwareVLLMPolicy()
+    view = FakeView(loads={A: q(3), B: q(1), C: q(2)})
+    first = route(pol, req(prompt(1, 4, suffix=1)), view)
+    assert (first.replica_id, first.reason) == (B, "min_load")  # nothing matches: least loaded, not smallest tree
+    # the balance rule moves one request of the group to C: C is now the text's last worker,
+    # and the group follows it although B holds the text too and has the shorter queue
+    moved = route(pol, req(prompt(1, 4, suffix=2)), FakeView(loads={A: q(200), B: q(100), C: q(0)}))
+    assert (moved.replica_id, moved.reason) == (C, "balance")
+    d = route(pol, req(prompt(1, 4, suffix=3)), view)
+    assert (d.replica_id, d.reason, d.expected_cached_tokens) == (C, "cache_hit", 48)
+    # a routed prompt makes its replica the last one for every block it shares
+    route(pol, req(prompt(1, 4, suffix=4)), FakeView(loads={A: q(200), B: q(0), C: q(0)}))  # imbalanced -> B
+    d = pol.choose(req(prompt(1, 4, suffix=5)), view)
+    assert (d.replica_id, d.reason) == (B, "cache_hit")
+    # the last worker removed: the best matcher with the shortest queue
+    pol.on_replica_removed(B)
+    assert pol.choose(req(prompt(1, 4, suffix=6)), view).replica_id == C
+
+
+def test_vllm_low_match_and_imbalance_go_to_least_loaded():
+    pol = CacheAwareVLLMPolicy()
+    r = req(prompt(1, 10))
+    pol.tree.insert(A, r.block_hashes[:3])  # 0.3 is not > 0.3
+    d = pol.choose(r, FakeView(loads={A: q(0), B: q(2), C: q(1)}))
+    assert (d.replica_id, d.reason) == (A, "min_load")
+    d = pol.choose(r, FakeView(loads={A: q(5), B: q(2), C: q(1)}))
+    assert (d.replica_id, d.reason) == (C, "min_load")
+    pol.tree.insert(A, r.block_hashes)
+    # diff 65 > 64 and 66 > 1.5 * 1: imbalanced, despite A's full match
+    d = pol.choose(r, FakeView(loads={A: q(66), B: q(2), C: q(1)}))
+    assert (d.replica_id, d.reason) == (C, "balance")
+    d = pol.choose(r, FakeView(loads={A: q(65), B: q(2), C: q(1)}))
+    assert (d.replica_id, d.reason) == (A, "cache_hit")
 
 
 # --- Ray PrefixCacheAffinityRouter ------------------------------------------------------

@@ -1,0 +1,91 @@
+"""vllm-router's ``cache_aware`` policy, over block hashes.
+
+Rules, as vllm-router's source states them (``src/policies/cache_aware.rs`` and the
+radix tree in ``src/tree.rs``, https://github.com/vllm-project/router; the version
+benchmarked is the ``vllm-router`` wheel 0.1.17):
+
+1. Load of a worker = requests in flight there (``ReplicaLoad.queue_len`` here). The
+   system is *imbalanced* when BOTH ``max_load - min_load > balance_abs_threshold`` AND
+   ``max_load > balance_rel_threshold * min_load``; then the request goes to the least
+   loaded worker (reason ``"balance"``), and its prompt still enters that worker's tree.
+2. Otherwise the prompt text is matched against one radix tree shared by all workers;
+   match rate = matched characters / prompt characters. Above ``cache_threshold`` the
+   request goes to the *last worker that was sent text through the deepest matched
+   node* (the tree caches each node's most recent tenant; reason ``"cache_hit"``);
+3. else to the least loaded worker (``"min_load"``), not to the smallest tree as in
+   SGLang's router, from which vllm-router's policy descends.
+4. Every routed prompt is inserted under the chosen worker; trees are trimmed to
+   ``max_tree_size`` characters per worker on a timer; a removed worker is dropped.
+   (Session keys from headers and chat histories are not used by completions.)
+
+Rule 2's recency is what separates it from SGLang's router in practice: tenants that
+share a system prompt's text (each with its own ``cache_salt``) all follow the worker
+that last took that text, so their salted prefixes stay together on one worker and
+mostly hit; SGLang's tree returns an arbitrary tenant of the node, which scatters them.
+
+Defaults are the wheel's CLI defaults: ``cache_threshold=0.3``,
+``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``, ``max_tree_size=2**25``.
+
+Approximations (ours): the tree is over full-block hashes (``approx_tree``), so match
+length and tree size are in blocks; the node's last tenant is the last replica routed a
+prompt whose text hashes contain the deepest matched block (kept for as many hashes as
+one tree may hold); when that replica is gone the best matchers' shortest queue wins.
+Eviction happens at insert, not on a timer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import ClassVar
+
+from kvroute.replica.block_hash import BlockHash
+from kvroute.router.policies.cache_aware_sglang import CacheAwareSGLangPolicy
+from kvroute.router.policies.common import cached_tokens, least_loaded
+from kvroute.router.policy import ClusterView
+from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
+
+VLLM_CACHE_THRESHOLD = 0.3
+VLLM_BALANCE_ABS_THRESHOLD = 64
+VLLM_BALANCE_REL_THRESHOLD = 1.5
+VLLM_MAX_TREE_SIZE = 2**25
+
+
+class CacheAwareVLLMPolicy(CacheAwareSGLangPolicy):
+    name: ClassVar[str] = "cache_aware_vllm"
+
+    def __init__(
+        self,
+        cache_threshold: float = VLLM_CACHE_THRESHOLD,
+        balance_abs_threshold: int = VLLM_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = VLLM_BALANCE_REL_THRESHOLD,
+        max_tree_size: int = VLLM_MAX_TREE_SIZE,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size, seed)
+        self._last: OrderedDict[BlockHash, ReplicaId] = OrderedDict()  # block -> last replica routed it
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
+        cands = request.candidates
+        hashes = request.text_hashes
+        loads = {r: view.load(r).queue_len for r in cands}
+        matches = self.tree.match(hashes, cands)
+        max_load, min_load = max(loads.values()), min(loads.values())
+        best = max(matches.values())
+        if max_load - min_load > self.balance_abs_threshold and max_load > self.balance_rel_threshold * min_load:
+            replica, reason = least_loaded(cands, view), "balance"
+        elif hashes and best / len(hashes) > self.cache_threshold:
+            last = self._last.get(hashes[best - 1])
+            if last is None or matches.get(last, 0) < best:
+                last = min((r for r in cands if matches[r] == best), key=lambda r: loads[r])
+            replica, reason = last, "cache_hit"
+        else:
+            replica, reason = least_loaded(cands, view), "min_load"
+        return RouteDecision(replica, cached_tokens(matches[replica], view.block_size, request.num_tokens), reason)
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        super().on_routed(request, decision)
+        for h in request.text_hashes:
+            self._last[h] = decision.replica_id
+            self._last.move_to_end(h)
+        while len(self._last) > self.tree.max_blocks_per_replica:
+            self._last.popitem(last=False)
