@@ -37,7 +37,7 @@ chosen worker's match in this policy's own tree.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Iterable
 
 from kvroute.router.policies.approx_tree import ApproxPrefixTree, TreePolicy
 from kvroute.router.policies.common import cached_tokens, least_loaded
@@ -52,13 +52,14 @@ SGLANG_MAX_TREE_SIZE = 2**26
 
 class CacheAwareSGLangPolicy(TreePolicy):
     name: ClassVar[str] = "cache_aware_sglang"
+    default_max_tree_size: ClassVar[int] = SGLANG_MAX_TREE_SIZE
 
     def __init__(
         self,
         cache_threshold: float = SGLANG_CACHE_THRESHOLD,
         balance_abs_threshold: int = SGLANG_BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = SGLANG_BALANCE_REL_THRESHOLD,
-        max_tree_size: int = SGLANG_MAX_TREE_SIZE,
+        max_tree_size: int | None = None,
         seed: int = 0,
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
@@ -68,17 +69,19 @@ class CacheAwareSGLangPolicy(TreePolicy):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.tree = ApproxPrefixTree(max_tree_size)
+        self.tree = ApproxPrefixTree(self.default_max_tree_size if max_tree_size is None else max_tree_size)
+
+    def imbalanced(self, loads: Iterable[int]) -> bool:
+        """Rule 1: the load gap passes both thresholds."""
+        loads = list(loads)
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
 
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
         cands = request.candidates
         loads = {r: view.load(r).queue_len for r in cands}
         matches = self.tree.match(request.text_hashes, cands)
-        max_load, min_load = max(loads.values()), min(loads.values())
-        if (
-            max_load - min_load > self.balance_abs_threshold
-            and max_load > self.balance_rel_threshold * min_load
-        ):
+        if self.imbalanced(loads.values()):
             replica = least_loaded(cands, view)
             reason = "balance"
         else:

@@ -36,7 +36,7 @@ Eviction happens at insert, not on a timer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.router.policies.cache_aware_sglang import CacheAwareSGLangPolicy
@@ -44,24 +44,14 @@ from kvroute.router.policies.common import cached_tokens, least_loaded
 from kvroute.router.policy import ClusterView
 from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
 
-VLLM_CACHE_THRESHOLD = 0.3
-VLLM_BALANCE_ABS_THRESHOLD = 64
-VLLM_BALANCE_REL_THRESHOLD = 1.5
-VLLM_MAX_TREE_SIZE = 2**25
-
-
 class CacheAwareVLLMPolicy(CacheAwareSGLangPolicy):
-    name: ClassVar[str] = "cache_aware_vllm"
+    """Takes SGLang's constructor; the thresholds' defaults are the same in both CLIs."""
 
-    def __init__(
-        self,
-        cache_threshold: float = VLLM_CACHE_THRESHOLD,
-        balance_abs_threshold: int = VLLM_BALANCE_ABS_THRESHOLD,
-        balance_rel_threshold: float = VLLM_BALANCE_REL_THRESHOLD,
-        max_tree_size: int = VLLM_MAX_TREE_SIZE,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size, seed)
+    name: ClassVar[str] = "cache_aware_vllm"
+    default_max_tree_size: ClassVar[int] = 2**25
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._last: OrderedDict[BlockHash, ReplicaId] = OrderedDict()  # block -> last replica routed it
 
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
@@ -69,9 +59,8 @@ class CacheAwareVLLMPolicy(CacheAwareSGLangPolicy):
         hashes = request.text_hashes
         loads = {r: view.load(r).queue_len for r in cands}
         matches = self.tree.match(hashes, cands)
-        max_load, min_load = max(loads.values()), min(loads.values())
         best = max(matches.values())
-        if max_load - min_load > self.balance_abs_threshold and max_load > self.balance_rel_threshold * min_load:
+        if self.imbalanced(loads.values()):
             replica, reason = least_loaded(cands, view), "balance"
         elif hashes and best / len(hashes) > self.cache_threshold:
             last = self._last.get(hashes[best - 1])
