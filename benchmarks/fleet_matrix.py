@@ -3,7 +3,7 @@
     python -m kvroute.benchmarks.fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
         [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,multi-turn]
         [--loads 0.6,0.85,0.95,1.2] [--routers kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router]
-        [--scale 1.0] [--host-kv-factor 0] [--out-dir results/fleet_matrix]
+        [--scale 1.0] [--host-kv-factor 0] [--sim-only] [--out-dir results/fleet_matrix]
     (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.fleet_matrix ...)
 
 Every router gets the same fleet shape (``--replicas`` replicas emulating ``--profile``:
@@ -24,6 +24,10 @@ at mid-run and replaced empty), ``multi-turn`` (growing chat histories), ``scale
 (gsp on 3/4 of the replicas, the last quarter joining empty at mid-run; loads are
 fractions of the whole fleet's capacity, so the first half runs over the smaller
 fleet's).
+
+``--sim-only`` fills the whole matrix (every router, load and scenario) from the
+simulator alone in minutes, with no Ray and no replicas: the rows then hold the
+predictions, and the measured columns repeat them.
 
 Outputs: ``matrix.json`` (every run, its prediction, the targets), ``table.md``, and per
 scenario the compare_routers outputs (``<scenario>/``: JSON per run, plots). One
@@ -92,11 +96,11 @@ def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks
 
 
 def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, rates: Sequence[float],
-            routers: Sequence[str], seed: int, joining: int = 0,
+            routers: Sequence[str], seed: int, joining: int = 0, failing: int = 0,
             host_kv_blocks: int = 0) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:  # fmt: skip
     """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
-    with ``joining``, that many of the replicas join at half the arrival span; each
-    replica has a host KV tier of ``host_kv_blocks``."""
+    at half the arrival span ``joining`` replicas join and ``failing`` die and come back
+    empty; each replica has a host KV tier of ``host_kv_blocks``."""
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
@@ -105,8 +109,9 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     out = {}
     for rate in rates:
         stamped = wl.with_poisson_arrivals(workload, rate, seed=seed)
-        join_at = 0.5 * max(r.arrival_s for r in stamped.requests)
-        at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=join_at, host_kv_blocks=host_kv_blocks)
+        mid = 0.5 * max(r.arrival_s for r in stamped.requests)
+        at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=mid, failing_replicas=failing, fail_at_s=mid,
+                                 host_kv_blocks=host_kv_blocks)  # fmt: skip
         for policy in sorted({SIM_POLICY[r] for r in routers}):
             out[(policy, rate)] = Simulation(stamped, policy, profile, at).run()
     return capacity, out
@@ -130,7 +135,11 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     s = SCENARIOS[name]
     host_blocks = round(args.host_kv_factor * kv_blocks)
     _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
-                     joining=_share(s.add_fraction, args.replicas), host_kv_blocks=host_blocks)
+                     joining=_share(s.add_fraction, args.replicas), failing=_share(s.kill_fraction, args.replicas),
+                     host_kv_blocks=host_blocks)  # fmt: skip
+    if args.sim_only:
+        return [sim_row(name, loads[rates.index(rate)], capacity, kv_blocks, host_blocks, router, rate, sim[(SIM_POLICY[router], rate)])
+                for rate in rates for router in routers]  # fmt: skip
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": profile.max_model_len, "host_kv_blocks": host_blocks}  # fmt: skip
     argv = [
@@ -159,6 +168,20 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
             "sim_out_tok_s": predicted["output_tokens_per_s"],
         })  # fmt: skip
     return rows
+
+
+def sim_row(name: str, load: float, capacity: float, kv_blocks: int, host_blocks: int, router: str, rate: float,
+            m: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """A ``--sim-only`` row: the simulator's metrics under the measured rows' keys."""
+    ms = {k: m[f"ttft_{q}_s"] * 1000 for k, q in (("ttft_median_ms", "p50"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"))}
+    return {
+        "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
+        "host_kv_blocks_per_replica": host_blocks, "router": router, "rate": rate, "completed": m["completed"],
+        "failed": m["num_requests"] - m["completed"], "hit_rate": m["hit_rate"], **ms, "tpot_median_ms": math.nan,
+        "out_tok_s": m["output_tokens_per_s"], "pred_cached_err": m["pred_cached_err"], "sim_policy": SIM_POLICY[router],
+        "sim_ttft_p90_ms": ms["ttft_p90_ms"], "sim_ttft_p99_ms": ms["ttft_p99_ms"], "sim_hit_rate": m["hit_rate"],
+        "sim_out_tok_s": m["output_tokens_per_s"], "requests_per_replica": m["requests_per_replica"],
+    }  # fmt: skip
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -212,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--app-name", default="kvroute-fleet")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--address", default=None)
+    p.add_argument("--sim-only", action="store_true",
+                   help="the simulator's predictions alone, for every router and load (no Ray, no replicas; minutes)")
     p.add_argument("--out-dir", default=str(Path(os.environ.get("KVROUTE_RESULTS", "results")) / "fleet_matrix"))
     return p
 
@@ -236,6 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     result = {"benchmark": "fleet_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": list(argv or sys.argv[1:]),
               "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale, "scale": args.scale, "len_scale": args.len_scale,
+              "sim_only": args.sim_only,
               "routers": routers, "scenarios": scenarios, "rows": rows, "targets": tg, "machine": machine(),
               "wall_s": time.perf_counter() - t0}  # fmt: skip
     (out / "matrix.json").write_text(json.dumps(result, indent=1))
@@ -248,7 +274,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # token comes in time); kvroute's mean something went wrong
 
     worst = max((t["p90_over_best_peer"] for t in tg), default=float("nan"))
-    print(f"fleet_matrix: {len(scenarios)} scenarios x {len(routers)} routers, {len(rows)} runs, {errors} errors "
+    name = "fleet_matrix (simulated)" if args.sim_only else "fleet_matrix"
+    print(f"{name}: {len(scenarios)} scenarios x {len(routers)} routers, {len(rows)} runs, {errors} errors "
           f"({ours} kvroute's); worst kvroute p90 / best peer {worst:.2f}  [{out}]")  # fmt: skip
     return 0 if ours == 0 else 1
 

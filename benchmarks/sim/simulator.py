@@ -9,7 +9,12 @@ deterministic for a fixed workload and seed):
   reach the router ``event_delay_s`` later (``apply``; a seq gap is answered with a
   snapshot); a finished multi-turn request releases its next turn ``think_time_s``
   later; the replica starts its next step if it has work;
-- events delivered: ``router.apply``.
+- events delivered: ``router.apply``;
+- join (scale-out): the last ``joining_replicas`` replicas are added to the router;
+- failure: the first ``failing_replicas`` replicas die; each is replaced at once by an
+  empty one under the same id (the router drops the old one and adds the new), and
+  every request it held is routed again, keeping its arrival time and any first token
+  already streamed (a retry redoes its whole prefill and decode).
 
 The router's clock is the simulation's clock, so its pending-entry TTL runs in
 simulated seconds.
@@ -29,7 +34,7 @@ from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 
-_ARRIVAL, _STEP_END, _EVENTS, _JOIN = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,16 @@ class SimConfig:
     host_kv_blocks: int = 0  # per replica: a host tier behind the device cache (0: none)
     joining_replicas: int = 0  # scale-out: the last ones of num_replicas join (empty) at join_at_s
     join_at_s: float = 0.0
+    failing_replicas: int = 0  # failure: the first ones of num_replicas die at fail_at_s, replaced empty
+    fail_at_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if not 0 <= self.joining_replicas < self.num_replicas:
             raise ValueError(f"joining_replicas must be in [0, num_replicas), got {self.joining_replicas}")
+        if not 0 <= self.failing_replicas <= self.num_replicas - self.joining_replicas:
+            raise ValueError(f"failing_replicas must be in [0, the replicas present at the start], got {self.failing_replicas}")
         if self.event_delay_s < 0:
             raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
 
@@ -86,10 +95,8 @@ class Simulation:
         self.now = 0.0
         self.hash_spec = HashSpec(config.block_size, config.hash_seed, "sim")
         sched = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
-        self.replicas = {
-            f"r{i}": SimReplica(f"r{i}", config.kv_blocks, self.hash_spec, cost, sched, config.host_kv_blocks)
-            for i in range(config.num_replicas)
-        }
+        self._sched = sched
+        self.replicas = {f"r{i}": self._new_replica(f"r{i}") for i in range(config.num_replicas)}
         if policy == "oracle":
             policy_kwargs.setdefault("true_match", lambda rid, hashes: self.replicas[rid].true_match(list(hashes)))
         self.router = router_factory(
@@ -103,6 +110,11 @@ class Simulation:
         self.done: list[SimRequest] = []
         self.num_snapshots = 0
         self.reasons: dict[str, int] = {}
+        self.num_retried = 0
+
+    def _new_replica(self, replica_id: str) -> SimReplica:
+        c = self.config
+        return SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks)
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._n, kind, payload))
@@ -117,6 +129,8 @@ class Simulation:
                 self._dependents.setdefault(spec.after, []).append(spec)
         if self.config.joining_replicas:
             self._push(self.config.join_at_s, _JOIN, list(self.replicas)[-self.config.joining_replicas :])
+        if self.config.failing_replicas:
+            self._push(self.config.fail_at_s, _FAIL, list(self.replicas)[: self.config.failing_replicas])
         while self._heap:
             t, _, kind, payload = heapq.heappop(self._heap)
             self.now = t
@@ -127,11 +141,14 @@ class Simulation:
             elif kind == _JOIN:
                 for rid in payload:
                     self.router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
+            elif kind == _FAIL:
+                self._fail(payload)
             else:
                 self._deliver(payload)
         return self.metrics()
 
-    def _arrive(self, spec: RequestSpec) -> None:
+    def _arrive(self, spec: RequestSpec, arrival_s: float | None = None, first_token_s: float | None = None) -> None:
+        """Route ``spec`` and queue it; a retry passes its original arrival and first token."""
         hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt)
         # a text-matching peer sees the prompt, not the salt
         text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids)
@@ -139,18 +156,33 @@ class Simulation:
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket
-        rep.add(SimRequest(spec, req, self.now, rep.replica_id, decision.expected_cached_tokens, decision.reason))
+        sim = SimRequest(spec, req, self.now if arrival_s is None else arrival_s, rep.replica_id,
+                         decision.expected_cached_tokens, decision.reason, first_token_s)  # fmt: skip
+        rep.add(sim)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         if not rep.busy:
             self._start(rep)
 
+    def _fail(self, replica_ids: list[str]) -> None:
+        """The replicas die and come back empty; what they held is routed again."""
+        lost = []
+        for rid in replica_ids:
+            lost += self.replicas[rid].requests.values()
+            self.replicas[rid] = self._new_replica(rid)  # the dead one's pending step end is ignored
+            self.router.remove_replica(rid)
+            self.router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
+        self.num_retried += len(lost)
+        for sim in lost:
+            self._arrive(sim.spec, sim.arrival_s, sim.first_token_s)
+
     def _start(self, rep: SimReplica) -> None:
         dur = rep.start_step()
         if dur is not None:
-            self._push(self.now + dur, _STEP_END, rep.replica_id)
+            self._push(self.now + dur, _STEP_END, rep)
 
-    def _step_end(self, replica_id: str) -> None:
-        rep = self.replicas[replica_id]
+    def _step_end(self, rep: SimReplica) -> None:
+        if self.replicas[rep.replica_id] is not rep:  # a step of a replica that died
+            return
         _, finished, events = rep.finish_step(self.now)
         if self.config.event_delay_s > 0:
             self._push(self.now + self.config.event_delay_s, _EVENTS, events)
@@ -208,6 +240,7 @@ class Simulation:
             "pred_cached_err": sum(err) / len(err) if err else 0.0,
             "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
             "snapshots": self.num_snapshots,
+            "retried": self.num_retried,
             "leaked_blocks": leaked,
             "requests_per_replica": per_replica,
             "reasons": dict(sorted(self.reasons.items())),

@@ -57,6 +57,33 @@ def test_a_joining_replica_takes_requests_only_after_it_joins(policy):
         SimConfig(num_replicas=2, joining_replicas=2)
 
 
+class _Watched(Simulation):
+    """Records what the failing replicas held just before they died."""
+
+    def _fail(self, replica_ids):
+        self.dead = {rid: (self.replicas[rid], len(self.replicas[rid].requests)) for rid in replica_ids}
+        super()._fail(replica_ids)
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "round_robin", "cache_aware_vllm"])
+def test_a_failing_replica_comes_back_empty_and_its_requests_are_routed_again(policy):
+    wl = W.with_poisson_arrivals(W.generated_shared_prefix(4, 8, 128, 16, 64, seed=0), rate=200.0, seed=0)
+    t = sorted(r.arrival_s for r in wl.requests)
+    fail_at = (t[len(t) // 2] + t[len(t) // 2 + 1]) / 2
+    sim = _Watched(wl, policy, gpu_h100_llama3_8b(), dataclasses.replace(CFG, failing_replicas=1, fail_at_s=fail_at))
+    m = sim.run()
+    old, held = sim.dead["r0"]
+    assert held > 0 and old.kv.cached_block_hashes(), "the failure must hit a replica with work and a cache"
+    assert sim.replicas["r0"] is not old and sorted(sim.router.replicas()) == ["r0", "r1", "r2"]
+    assert m["retried"] == held  # every request it held was routed again ...
+    assert m["completed"] == len(wl) and m["output_tokens"] == wl.output_tokens  # ... and finished once
+    assert m["leaked_blocks"] == 0
+    retried = [s for s in sim.done if s.request.arrival_time == fail_at]
+    assert len(retried) == held and all(s.arrival_s < fail_at for s in retried)  # TTFT counts the loss
+    with pytest.raises(ValueError, match="failing_replicas"):
+        SimConfig(num_replicas=3, joining_replicas=1, failing_replicas=3)
+
+
 def test_oracle_hits_at_least_round_robin():
     assert run("oracle")["hit_rate"] >= run("round_robin")["hit_rate"]
 
@@ -200,3 +227,23 @@ def test_decode_aware_kvroute_spreads_a_hot_prefix():
     cost = gpu_h100_llama3_8b()
     assert m["ttft_p99_s"] <= unbounded["ttft_p99_s"] + 512 / cost.prefill_tokens_per_s
     assert m["leaked_blocks"] == 0 and m["completed"] == 160
+
+
+def test_fleet_matrix_sim_only_fills_every_cell_without_a_cluster(tmp_path, capsys):
+    from kvroute.benchmarks import fleet_matrix
+
+    scenarios, routers, loads = ["gsp", "failure", "scale-out"], ["kvroute", "power_of_two", "vllm_router"], [0.6, 1.2]
+    argv = ["--sim-only", "--replicas", "4", "--scenarios", ",".join(scenarios), "--loads", ",".join(map(str, loads)),
+            "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", "0.2", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert fleet_matrix.main(argv) == 0
+    assert "fleet_matrix (simulated): 3 scenarios x 3 routers, 18 runs, 0 errors (0 kvroute's)" in capsys.readouterr().out
+    matrix = json.loads((tmp_path / "matrix.json").read_text())
+    assert matrix["sim_only"] is True
+    cells = {(r["scenario"], r["load"], r["router"]) for r in matrix["rows"]}
+    assert cells == {(s, x, r) for s in scenarios for x in loads for r in routers}
+    for row in matrix["rows"]:
+        n = len(fleet_matrix.workload_of(row["scenario"], 0.05, 0.2, 0))
+        assert row["completed"] == n and row["failed"] == 0 and 0 < row["hit_rate"] < 1
+        assert row["ttft_median_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
+        assert row["rate"] == pytest.approx(row["load"] * row["capacity_rps"], rel=1e-3)
+    assert len(matrix["targets"]) == len(scenarios) * len(loads)
