@@ -137,9 +137,12 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
                      joining=_share(s.add_fraction, args.replicas), failing=_share(s.kill_fraction, args.replicas),
                      host_kv_blocks=host_blocks)  # fmt: skip
+    head = {"scenario": name, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
+            "host_kv_blocks_per_replica": host_blocks}  # fmt: skip
     if args.sim_only:
-        return [sim_row(name, loads[rates.index(rate)], capacity, kv_blocks, host_blocks, router, rate, sim[(SIM_POLICY[router], rate)])
-                for rate in rates for router in routers]  # fmt: skip
+        return [{**head, "load": load, **sim_as_measured(router, rate, sim[(SIM_POLICY[router], rate)]),
+                 **sim_columns(router, sim[(SIM_POLICY[router], rate)])}
+                for load, rate in zip(loads, rates) for router in routers]  # fmt: skip
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": profile.max_model_len, "host_kv_blocks": host_blocks}  # fmt: skip
     argv = [
@@ -160,27 +163,25 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     for row in combined["rows"]:
         load = loads[rates.index(row["rate"])]
         predicted = sim[(SIM_POLICY[row["router"]], row["rate"])]
-        rows.append({
-            "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
-            "host_kv_blocks_per_replica": host_blocks, **row,
-            "sim_policy": SIM_POLICY[row["router"]], "sim_ttft_p90_ms": predicted["ttft_p90_s"] * 1000,
-            "sim_ttft_p99_ms": predicted["ttft_p99_s"] * 1000, "sim_hit_rate": predicted["hit_rate"],
-            "sim_out_tok_s": predicted["output_tokens_per_s"],
-        })  # fmt: skip
+        rows.append({**head, "load": load, **row, **sim_columns(row["router"], predicted)})
     return rows
 
 
-def sim_row(name: str, load: float, capacity: float, kv_blocks: int, host_blocks: int, router: str, rate: float,
-            m: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """A ``--sim-only`` row: the simulator's metrics under the measured rows' keys."""
-    ms = {k: m[f"ttft_{q}_s"] * 1000 for k, q in (("ttft_median_ms", "p50"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"))}
+def sim_columns(router: str, m: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's prediction ``m`` for ``router``, as the matrix's ``sim_*`` columns."""
+    return {"sim_policy": SIM_POLICY[router], "sim_ttft_p90_ms": m["ttft_p90_s"] * 1000,
+            "sim_ttft_p99_ms": m["ttft_p99_s"] * 1000, "sim_hit_rate": m["hit_rate"],
+            "sim_out_tok_s": m["output_tokens_per_s"]}  # fmt: skip
+
+
+def sim_as_measured(router: str, rate: float, m: dict[str, Any]) -> dict[str, Any]:
+    """A ``--sim-only`` row's measured columns: the simulator's metrics ``m`` under
+    compare_routers' keys (no TPOT: the simulator does not time tokens per request)."""
     return {
-        "scenario": name, "load": load, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
-        "host_kv_blocks_per_replica": host_blocks, "router": router, "rate": rate, "completed": m["completed"],
-        "failed": m["num_requests"] - m["completed"], "hit_rate": m["hit_rate"], **ms, "tpot_median_ms": math.nan,
-        "out_tok_s": m["output_tokens_per_s"], "pred_cached_err": m["pred_cached_err"], "sim_policy": SIM_POLICY[router],
-        "sim_ttft_p90_ms": ms["ttft_p90_ms"], "sim_ttft_p99_ms": ms["ttft_p99_ms"], "sim_hit_rate": m["hit_rate"],
-        "sim_out_tok_s": m["output_tokens_per_s"], "requests_per_replica": m["requests_per_replica"],
+        "router": router, "rate": rate, "completed": m["completed"], "failed": m["num_requests"] - m["completed"],
+        "hit_rate": m["hit_rate"], "ttft_median_ms": m["ttft_p50_s"] * 1000, "ttft_p90_ms": m["ttft_p90_s"] * 1000,
+        "ttft_p99_ms": m["ttft_p99_s"] * 1000, "tpot_median_ms": math.nan, "out_tok_s": m["output_tokens_per_s"],
+        "pred_cached_err": m["pred_cached_err"], "requests_per_replica": m["requests_per_replica"],
     }  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from kvroute.router.policies.common import cached_tokens, least_loaded
 from kvroute.router.policy import ClusterView
 from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
 
+
 class CacheAwareVLLMPolicy(CacheAwareSGLangPolicy):
     """Takes SGLang's constructor; the thresholds' defaults are the same in both CLIs."""
 
