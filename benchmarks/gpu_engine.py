@@ -8,7 +8,9 @@
 3. offline throughput on the nano-vllm shape: 256 requests, input and output lengths
    uniform in [100, 1024], Qwen3-0.6B-shaped random weights, ignore_eos; plus
    transformers' generate on a subset, for scale;
-4. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
+4. with ``--restore``, only this: the host tier's restore of a 6k-token
+   Llama-3-8B-shaped prefix against its recompute, and a step with an offload beside it;
+5. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
    Llama-3-8B-shaped model (bf16): decode steps over a grid of batch sizes and context
    lengths and prefill steps of several sizes, fitted to
    ``overhead + batch * per_seq + context_tokens * per_ctx_token`` and
@@ -17,7 +19,7 @@
 Random checkpoints are saved to a temp dir (config + safetensors + a word-level fast
 tokenizer) and loaded through the engine's real loader.
 
-    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--cost-model] [--out FILE]
+    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--restore | --cost-model] [--out FILE]
 """
 
 from __future__ import annotations
@@ -98,18 +100,29 @@ def _rows(batch: int, ctx: int, new: int, block_size: int, first_block: int = 0)
     return SchedulerOutput(rows=rows)
 
 
-def _time_steps(runner: Any, step: Any, iters: int) -> float:
-    """Median seconds of ``runner.execute(step)`` (synchronised)."""
-    for _ in range(2):
-        runner.execute(step)
-    torch.cuda.synchronize()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Any, iters: int, done: Any, warmup: int = 2) -> float:
+    """Median seconds of ``fn(); done()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+        done()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        runner.execute(step)
-        torch.cuda.synchronize()
+        fn()
+        done()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _time_steps(runner: Any, step: Any, iters: int) -> float:
+    """Median seconds of ``runner.execute(step)`` (the whole device synchronised)."""
+    _sync(runner.device)
+    return _median_seconds(lambda: runner.execute(step), iters, lambda: _sync(runner.device))
 
 
 def copy_bandwidth(nbytes: int = 2**30) -> float:
@@ -200,6 +213,63 @@ def bench_llama(folder: Path, quick: bool) -> dict[str, Any]:
                                    computed_tokens_per_s=new / t, model_tflops=flops / t / 1e12, fraction_of_matmul=flops / t / peak))  # fmt: skip
         print(f"prefill 2k prompt, {ctx_cached} cached: {t*1e3:.1f} ms, {new/t:.0f} computed tok/s, {flops/t/1e12:.1f} TFLOP/s ({flops/t/peak:.0%} of matmul)")
     return out
+
+
+def bench_restore(folder: Path, device: torch.device, dtype: torch.dtype, prefix_tokens: int = 6144, iters: int = 10) -> dict[str, Any]:
+    """The host tier against recompute for one ``prefix_tokens`` prefix, through the
+    model runner's real copy path (one step's ``CopyPlan``, ``replica/host_copies.py``):
+
+    - restore: the prefix's blocks copied back from the host tier (host clock, device
+      synchronised; and the GPU's own timing of the copy), against its prefill;
+    - restore + 16-token suffix in one step, against prefilling prefix + suffix;
+    - a prefill step with an offload of as many blocks beside it, against the step alone
+      (the offload must not hold the step up; only the compute stream is waited for).
+    """
+    from kvroute.replica.checkpoint import load_hf_config
+    from kvroute.replica.kv_cache_manager import CopyPlan
+    from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block
+    from kvroute.replica.models.arch import ModelArch
+    from kvroute.replica.scheduler import SchedulerOutput
+
+    arch = ModelArch.from_hf_config(load_hf_config(folder))
+    bs, suffix = 16, 16
+    n = prefix_tokens // bs
+    if n < 1 or prefix_tokens % bs:
+        raise ValueError(f"prefix_tokens must be a positive multiple of {bs}, got {prefix_tokens}")
+    runner = ModelRunner(arch, folder, 2 * n + 16, bs, device, dtype, prefix_tokens + 2 * bs, (), host_blocks=n)
+    copies = runner.host_copies
+    prefill = _rows(1, 0, prefix_tokens, bs)  # blocks [0, n)
+    t_prefill = _time_steps(runner, prefill, iters)
+    t_prefill_suffix = _time_steps(runner, _rows(1, 0, prefix_tokens + suffix, bs), iters)
+    runner.execute(prefill)  # the prefix's KV in blocks [0, n), offloaded to host blocks [0, n)
+    copies.start(CopyPlan([(i, i) for i in range(n)], []))
+    copies.join()
+    copies.synchronize()
+    restore = CopyPlan([], [(i, n + i) for i in range(n)])  # into blocks [n, 2n)
+
+    def restore_only() -> None:
+        copies.start(restore)
+        copies.join()
+
+    _sync(device)
+    copies.take_restore_timings()
+    t_restore = _median_seconds(restore_only, iters, lambda: _sync(device))
+    _sync(device)
+    gpu_timed = statistics.median(s for _, s in copies.take_restore_timings())
+    exact = bool(torch.equal(runner.kv_cache[:, :, n : 2 * n], runner.kv_cache[:, :, :n]))
+    with_suffix = SchedulerOutput(rows=_rows(1, prefix_tokens, suffix, bs, first_block=n).rows, copies=restore)
+    t_restore_suffix = _time_steps(runner, with_suffix, iters)
+    # a prefill step over blocks [0, n) while blocks [n, 2n) are offloaded
+    beside = SchedulerOutput(rows=prefill.rows, copies=CopyPlan([(n + i, i) for i in range(n)], []))
+    compute_done = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else (lambda: None)
+    t_step_offload = _median_seconds(lambda: runner.execute(beside), iters, compute_done)
+    copies.synchronize()
+    nbytes = n * kv_bytes_per_block(arch, bs, dtype)
+    return dict(prefix_tokens=prefix_tokens, blocks=n, bytes=nbytes, prefill_ms=t_prefill * 1e3,
+                restore_ms=t_restore * 1e3, restore_ms_gpu_timed=gpu_timed * 1e3,
+                restore_gb_per_s=nbytes / t_restore / 1e9, restore_over_prefill=t_restore / t_prefill,
+                prefill_with_suffix_ms=t_prefill_suffix * 1e3, restore_and_suffix_ms=t_restore_suffix * 1e3,
+                step_ms=t_prefill * 1e3, step_with_offload_ms=t_step_offload * 1e3, restored_kv_exact=exact)  # fmt: skip
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -306,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, iterations and requests")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--cost-model", action="store_true", help="only measure the simulator's GPU cost model (Llama-3-8B shape)")
+    ap.add_argument("--restore", action="store_true",
+                    help="only measure the host tier: a 6k-token Llama-3-8B-shaped prefix restored vs recomputed")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests run through transformers' generate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -314,6 +386,16 @@ def main(argv: list[str] | None = None) -> None:
     from kvroute.benchmarks.common import write_result
 
     result: dict[str, Any] = {}
+    if args.restore:
+        with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
+            folder = random_checkpoint(SHAPES["llama-3-8b"], Path(tmp) / "llama8b", torch.bfloat16, "cuda")
+            result = bench_restore(folder, torch.device("cuda"), torch.bfloat16, 6144, 5 if args.quick else 10)
+        r = result
+        summary = (f"6k-token Llama-3-8B prefix: restore {r['restore_ms']:.1f} ms ({r['restore_gb_per_s']:.1f} GB/s) "
+                   f"vs prefill {r['prefill_ms']:.1f} ms = {r['restore_over_prefill']:.2f}x; step {r['step_ms']:.1f} ms, "
+                   f"with an offload beside it {r['step_with_offload_ms']:.1f} ms")  # fmt: skip
+        write_result("gpu_restore", result, summary, args.out)
+        return
     if args.cost_model:
         with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
             result = bench_cost_model(random_checkpoint(SHAPES["llama-3-8b"], Path(tmp) / "llama8b", torch.bfloat16, "cuda"), args.quick)

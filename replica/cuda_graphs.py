@@ -106,6 +106,17 @@ class DecodeGraphs:
         seq_lens: Sequence[int],
     ) -> torch.Tensor:  # [n, hidden]
         """One decode step for ``n = len(input_ids)`` sequences (one new token each)."""
+        return self.replay(self.load(input_ids, positions, slots, block_tables, seq_lens), len(input_ids))
+
+    def load(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: torch.Tensor,  # [n, width] int32 on the host, zero-padded rows
+        seq_lens: Sequence[int],
+    ) -> int:
+        """Write a step's inputs into the static buffers; returns the graph batch size."""
         n = len(input_ids)
         b = self.padded_size(n)
         pad = b - n
@@ -124,6 +135,10 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(lens)
         self.context_lens[:b].copy_((lens - 1).clamp_(min=0))
         self.block_tables[:b].copy_(tables)
+        return b
+
+    def replay(self, b: int, n: int) -> torch.Tensor:  # [n, hidden]
+        """Run the loaded batch (padded to ``b``); the first ``n`` rows' outputs."""
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -59,18 +59,25 @@ class EmulatedModel:
         self.avoid_ids = avoid_ids
         self._clock, self._sleep = clock, sleep
         self.emulated_s = 0.0  # the profile's seconds of every step so far (unscaled)
-        self.last_restore_s = 0.0  # the last step's host-tier restores, scaled (as the engine times its steps)
+        self._restores: list[tuple[int, float]] = []  # (tokens, scaled seconds) not yet taken
 
     def execute(self, sched: Any) -> None:
         """Take the step's emulated time (from now: the scheduling before it is the
         host's own cost, as on a GPU where the CPU prepares the next step)."""
         start = self._clock()
         seconds = step_seconds(self.profile, sched)
-        self.last_restore_s = self.profile.restore_time(sched.restored_tokens) * self.time_scale
+        if sched.restored_tokens:
+            self._restores.append((sched.restored_tokens, self.profile.restore_time(sched.restored_tokens) * self.time_scale))
         self.emulated_s += seconds
         left = seconds * self.time_scale - (self._clock() - start)
         if left > 0:
             self._sleep(left)
+
+    def take_restore_timings(self) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of the restores since the last call, timed as the engine
+        times its steps (scaled), like ``ModelRunner.take_restore_timings``."""
+        out, self._restores = self._restores, []
+        return out
 
     def __call__(self, logits: None, rows: Sequence[SampleRequest]) -> SamplerOutput:
         return SamplerOutput([self.next_token(r) for r in rows], [None] * len(rows))

@@ -217,8 +217,8 @@ class Engine:
         if not sched.empty:
             t0 = time.perf_counter()
             logits = self.runner.execute(sched)
-            if sched.copies.restores:
-                self.telemetry.observe_restores(sched.restored_tokens, self.runner.last_restore_s)
+            for tokens, seconds in self.runner.take_restore_timings():
+                self.telemetry.observe_restores(tokens, seconds)
             self.scheduler.update_after_step(sched)
             sampling_rows = [r for r in sched.rows if r.samples]
             if sampling_rows:

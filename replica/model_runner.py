@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -11,6 +10,7 @@ import torch
 from kvroute.kernels import ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.cuda_graphs import DecodeGraphs
+from kvroute.replica.host_copies import HostCopies
 from kvroute.replica.models.arch import ModelArch
 from kvroute.replica.models.decoder import DecoderForCausalLM
 from kvroute.replica.host_memory import keep_freed_memory
@@ -95,10 +95,11 @@ class ModelRunner:
         )
         # the host tier's bytes, block-major (one block's layers together); pinned on CUDA
         self.host_kv = None
+        self.host_copies: HostCopies | None = None
         if host_blocks:
             shape = (host_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
             self.host_kv = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-        self.last_restore_s = 0.0
+            self.host_copies = HostCopies(self.kv_cache, self.host_kv)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_sizes and device.type == "cuda" and ops.uses_triton(device):
@@ -110,30 +111,24 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
-    def copy_blocks(self, step: SchedulerOutput) -> None:
-        """The step's host-tier copies, before its forward pass: evicted blocks out to
-        host memory, then host hits back into their new device blocks. (On CUDA both
-        go in one batched copy each way; they are synchronous for now.)"""
-        offloads, restores = step.copies
-        if offloads:
-            dev = torch.tensor([d for d, _ in offloads], device=self.device)
-            host = torch.tensor([h for _, h in offloads])
-            self.host_kv.index_copy_(0, host, self.kv_cache.index_select(2, dev).movedim(2, 0).to("cpu"))
-        if restores:
-            t0 = time.perf_counter()
-            host = torch.tensor([h for h, _ in restores])
-            dev = torch.tensor([d for _, d in restores], device=self.device)
-            self.kv_cache.index_copy_(2, dev, self.host_kv.index_select(0, host).to(self.device).movedim(0, 2))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.last_restore_s = time.perf_counter() - t0
+    def take_restore_timings(self) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of each host-tier restore that finished since the last
+        call (on CUDA they are timed on the GPU and may finish a step later)."""
+        if self.host_copies is None:
+            return []
+        return [(n * self.block_size, s) for n, s in self.host_copies.take_restore_timings()]
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns the logits ``[num_sampling_rows, vocab]`` (the model's
-        dtype) of the rows whose chunk reaches their last known token, in row order."""
-        if step.copies:
-            self.copy_blocks(step)
+        dtype) of the rows whose chunk reaches their last known token, in row order.
+
+        The step's host-tier copies start first (``replica/host_copies.py``: on CUDA
+        they run on their own streams) and the forward pass waits for them only after
+        its inputs are on the device."""
+        copies = self.host_copies if step.copies else None
+        if copies is not None:
+            copies.start(step.copies)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -159,8 +154,10 @@ class ModelRunner:
         dev = self.device
         graphs = self.graphs
         if graphs is not None and qsl[-1] == len(step.rows) <= graphs.max_batch:
-            hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
-            return self._logits(hidden, logit_rows)
+            b = graphs.load(input_ids, positions, slots, tables, seq_lens)
+            if copies is not None:
+                copies.join()
+            return self._logits(graphs.replay(b, len(step.rows)), logit_rows)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -171,11 +168,11 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
         )
-        hidden = self._forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-        )  # [T, hidden]
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if copies is not None:
+            copies.join()
+        hidden = self._forward(ids, pos, meta)  # [T, hidden]
         return self._logits(hidden, logit_rows)
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:  # [len(logit_rows), vocab]

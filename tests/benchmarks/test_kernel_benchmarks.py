@@ -57,3 +57,17 @@ def test_kernel_benchmark_metadata_is_consistent():
             p = c + i
             row = meta.query_start_loc_cpu[s] + i
             assert slots[row] == int(meta.block_tables[s, p // 4]) * 4 + p % 4
+
+
+def test_restore_benchmark_runs_the_real_copy_path(tmp_path):
+    """``gpu_engine --restore``'s measurement, on the CPU at a tiny size: the restored
+    blocks hold the prefix's KV and every figure is measured."""
+    folder = gpu_engine.random_checkpoint(TINY, tmp_path / "ckpt", torch.float32, "cpu")
+    r = gpu_engine.bench_restore(folder, torch.device("cpu"), torch.float32, prefix_tokens=128, iters=2)
+    assert r["restored_kv_exact"] and r["blocks"] == 8
+    assert r["bytes"] == 8 * 16 * 2 * 2 * 2 * 16 * 4  # blocks x tokens x layers x (K, V) x kv heads x head_dim x fp32
+    for key in ("prefill_ms", "restore_ms", "restore_ms_gpu_timed", "restore_and_suffix_ms", "step_with_offload_ms"):
+        assert r[key] > 0, key
+    assert r["restore_over_prefill"] == pytest.approx(r["restore_ms"] / r["prefill_ms"])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gpu_engine.bench_restore(folder, torch.device("cpu"), torch.float32, prefix_tokens=100)

@@ -56,8 +56,8 @@ def test_padded_decode_batches_equal_unpadded(tiny_llama_path):
         runner = llm.engine.runner
         runner.graphs = DecodeGraphs(runner._forward, [1, 2, 4], runner.max_blocks_per_seq, torch.device("cpu"), capture=False)
         calls = []
-        run = runner.graphs.run
-        runner.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
+        load = runner.graphs.load
+        runner.graphs.load = lambda *a: calls.append(len(a[0])) or load(*a)
         got = [tuple(o.token_ids) for o in llm.generate(prompts, [_greedy(n) for n in lens], use_tqdm=False)]
     assert got == want
     assert calls == [3, 2, 1], calls  # 3 padded to 4, then shrinking batches over stale rows

@@ -116,3 +116,18 @@ def test_the_profile_sets_capacity_and_context_and_bad_names_are_refused(tiny_ll
         emulated(tiny_llama_path, max_model_len=200_000)
     assert set(PROFILES) >= {PROFILE, "cpu_measured"}
     assert isinstance(profile, StepProfile) and profile.source
+
+
+def test_the_emulated_engine_reports_the_profiles_restore_rate(tiny_llama_path):
+    """Host-tier restores are charged at the profile's bandwidth and reported (scaled,
+    as the engine times its steps) in the load figures the router prices them with."""
+    profile = get_profile(PROFILE)
+    engine = emulated(tiny_llama_path, num_kv_blocks=8, host_kv_blocks=32, time_scale=0.001)
+    prompts = [list(range(1000 + 100 * i, 1048 + 100 * i)) for i in range(3)]  # 6 blocks each: one fits at a time
+    for rnd in range(2):  # the second round finds each prompt in the host tier
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{rnd}-{i}", p, SamplingParams(max_tokens=2))
+            run(engine)
+    assert engine.stats().prefix_cache_host_hits > 0
+    want = profile.host_copy_bytes_per_s / profile.kv_bytes_per_token / 0.001
+    assert engine.load().host_restore_tokens_per_s == pytest.approx(want)
