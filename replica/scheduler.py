@@ -93,12 +93,29 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def queued_prefill_tokens(self) -> int:
-        """Prefill tokens still to compute: a waiting request counts only the part of its
-        prompt not already in the prefix cache (what its admission would compute)."""
-        waiting = 0
+        """Prefill tokens still to compute. A running request counts the rest of its
+        prompt. A waiting request counts the part of its prompt that neither the prefix
+        cache nor a request ahead of it (running, or earlier in the queue) will hold by
+        its admission: a prefix shared by queued requests is computed once, by the
+        first, and counted once (a burst of one group's requests is one prefill and
+        their suffixes, not a prefill each)."""
+        bs = self.block_size
+        ahead: set = set()  # hashes of blocks a request ahead will compute
+        total = 0
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                total += r.num_prompt_tokens - r.num_computed_tokens
+                if self.kv.enable_caching:
+                    ahead.update(r.update_block_hashes()[r.num_computed_tokens // bs : r.num_prompt_tokens // bs])
         for r in self.waiting:
-            waiting += r.num_tokens - self.kv.get_computed_blocks(r)[1]
-        return waiting + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+            hashes = r.update_block_hashes()
+            hit = self.kv.get_computed_blocks(r)[1] // bs
+            last = min((r.num_tokens - 1) // bs, len(hashes))  # the last token is always computed
+            while hit < last and hashes[hit] in ahead:
+                hit += 1
+            total += r.num_tokens - hit * bs
+            ahead.update(hashes[hit:last])
+        return total
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request wherever it is and free its blocks (idempotent)."""

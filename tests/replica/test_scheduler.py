@@ -261,3 +261,34 @@ def test_queued_prefill_tokens_count_only_uncached_tokens():
     sched.add(c)
     # a is running (prefill done); b and c wait behind max_num_seqs=1.
     assert sched.queued_prefill_tokens() == (40 - 32) + 20
+
+
+def test_queued_prefill_tokens_count_a_shared_prefix_once():
+    """A prefix that requests ahead will compute (a running prefill's rest, an earlier
+    waiting request's prompt) is counted once, as the engine computes it once; and the
+    count is what admission then computes."""
+    sched, kv = make_sched(64, budget=8, max_seqs=4)
+    lead = make_req(range(24))  # 6 blocks; an 8-token budget: a chunk of 2 blocks a step
+    sched.add(lead)
+    run_step(sched)
+    assert sched.queued_prefill_tokens() == 16  # the lead's rest
+    f1 = make_req(list(range(24)) + [500, 501])  # the lead's 6 blocks + 2 tokens
+    f2 = make_req(list(range(20)) + [600, 601, 602])  # 5 of its blocks + 3 tokens
+    cold = make_req(range(300, 310))  # 2 blocks + 2: nothing shared
+    f3 = make_req(list(range(300, 308)) + [700])  # cold's 2 blocks + 1
+    for r in (f1, f2, cold, f3):
+        sched.add(r)
+    # lead 16; f1: blocks 0-1 cached, 2-5 the lead's -> 2; f2 -> 3; cold 10; f3 -> 1
+    assert sched.queued_prefill_tokens() == 16 + 2 + 3 + 10 + 1
+    # on an idle replica the first of a prefix counts it whole, the next only its suffix
+    other, _ = make_sched(64)
+    for r in (make_req(list(range(24)) + [500, 501]), make_req(range(300, 310)), make_req(list(range(300, 308)) + [700])):
+        other.add(r)
+    assert other.queued_prefill_tokens() == 26 + 10 + 1
+    sched2, _ = make_sched(64, budget=1000)
+    a, b = make_req(range(100, 140)), make_req(list(range(100, 136)) + [9, 9])
+    sched2.add(a)
+    sched2.add(b)
+    assert sched2.queued_prefill_tokens() == 40 + 2
+    out = run_step(sched2)  # both admitted in one step: b computes only its suffix
+    assert [(r.num_computed, r.num_new) for r in out.rows] == [(0, 40), (36, 2)]
