@@ -1,7 +1,7 @@
 """CUDA graphs for decode-only steps: one graph per batch size, replayed on padded inputs.
 
 Every graph reads the same static input buffers (its first ``b`` rows). Before each
-replay :meth:`DecodeGraphs.run` rewrites *all* ``b`` rows of every buffer, the whole
+replay :meth:`DecodeGraphs.load` rewrites *all* ``b`` rows of every buffer, the whole
 width of the block table included, so a replay never sees a previous step's block
 tables, slots or lengths. Padding rows get slot -1 (the KV store writes nothing) and
 seq_len 0 (attention reads nothing and returns zeros); their outputs are dropped.
@@ -97,17 +97,6 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(
-        self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        block_tables: torch.Tensor,  # [n, width] int32 on the host, zero-padded rows
-        seq_lens: Sequence[int],
-    ) -> torch.Tensor:  # [n, hidden]
-        """One decode step for ``n = len(input_ids)`` sequences (one new token each)."""
-        return self.replay(self.load(input_ids, positions, slots, block_tables, seq_lens), len(input_ids))
-
     def load(
         self,
         input_ids: Sequence[int],
@@ -116,7 +105,8 @@ class DecodeGraphs:
         block_tables: torch.Tensor,  # [n, width] int32 on the host, zero-padded rows
         seq_lens: Sequence[int],
     ) -> int:
-        """Write a step's inputs into the static buffers; returns the graph batch size."""
+        """Write a decode step's inputs (``n = len(input_ids)`` sequences, one new token
+        each) into the static buffers; returns the graph batch size to :meth:`replay`."""
         n = len(input_ids)
         b = self.padded_size(n)
         pad = b - n
