@@ -5,17 +5,18 @@ On CPU both directions are synchronous copies. On CUDA the host thread never wai
 for a copy, and a step waits (on the GPU) only for what its forward pass reads or
 overwrites:
 
-- Offloads run on their own stream: one gather of the evicted blocks into a device
-  staging buffer, then asynchronous copies into the pinned host tensor. The step's
-  forward may write the evicted blocks, so it waits for the gather (a device-local
-  copy); the transfer over PCIe overlaps the forward and the steps after it.
-- Restores run on a second stream, so the two directions' copy engines work at once:
+- Offloads: one gather of the evicted blocks into a device staging buffer, on a
+  stream of its own, then asynchronous copies into the pinned host tensor, on another.
+  The step's forward may write the evicted blocks, so it waits for the gather (a
+  device-local copy) and for nothing else; the transfer over PCIe overlaps the forward
+  and the steps after it, and a later step's gather never queues behind it.
+- Restores run on a third stream, so the two directions' copy engines work at once:
   asynchronous copies from the pinned host tensor into a device staging buffer, then
   one scatter into their device blocks. The forward reads them, so it waits for them.
 
 Ordering across streams and steps, with events:
-- Both streams first wait for the compute stream's earlier work (the blocks an
-  earlier forward wrote or read).
+- The gather and the restores first wait for the compute stream's earlier work (the
+  blocks an earlier forward wrote or read).
 - A restore waits for the gather of the same step (its fresh device block may be one
   the step evicted) and for every pending offload into a host block it reads (a block
   evicted and offloaded this step or shortly before, then hit again).
@@ -24,8 +25,8 @@ Ordering across streams and steps, with events:
 
 Each run of consecutive host block ids is one copy (the host tier hands out ids in
 order, so a prefix evicted together mostly lands in one run). Staging buffers are
-allocated on the stream that uses them, so the caching allocator never reuses one
-before that stream is done with it.
+allocated on the stream that fills them; the offload's is also recorded on the stream
+that copies it out, so the caching allocator reuses neither before both are done.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class HostCopies:
         self.asynchronous = self.device.type == "cuda"
         self._timings: list[tuple[int, float]] = []  # (blocks restored, seconds), CPU
         if self.asynchronous:
+            self._gather_stream = torch.cuda.Stream(self.device)
             self._offload_stream = torch.cuda.Stream(self.device)
             self._restore_stream = torch.cuda.Stream(self.device)
             self._restored: torch.cuda.Event | None = None  # the last restore's end
@@ -112,8 +114,8 @@ class HostCopies:
     def synchronize(self) -> None:
         """Wait until every copy started so far has landed (tests, shutdown)."""
         if self.asynchronous:
-            self._offload_stream.synchronize()
-            self._restore_stream.synchronize()
+            for stream in (self._gather_stream, self._offload_stream, self._restore_stream):
+                stream.synchronize()
 
     # ------------------------------------------------------------------ CUDA
     def _ids(self, ids) -> torch.Tensor:
@@ -125,15 +127,18 @@ class HostCopies:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _start_offloads(self, offloads: list[tuple[int, int]], compute: torch.cuda.Stream) -> torch.cuda.Event:
-        stream = self._offload_stream
-        stream.wait_stream(compute)
+        gather, stream = self._gather_stream, self._offload_stream
+        gather.wait_stream(compute)
+        with torch.cuda.stream(gather):
+            staged = self.kv_cache.index_select(2, self._ids(d for d, _ in offloads)).movedim(2, 0).contiguous()
+            gathered = torch.cuda.Event()
+            gathered.record(gather)
+        stream.wait_event(gathered)
         if self._restored is not None:
             stream.wait_event(self._restored)
         host = [h for _, h in offloads]
         with torch.cuda.stream(stream):
-            staged = self.kv_cache.index_select(2, self._ids(d for d, _ in offloads)).movedim(2, 0).contiguous()
-            gathered = torch.cuda.Event()
-            gathered.record(stream)
+            staged.record_stream(stream)  # not reused until this stream's copies are done
             for i, first, n in host_runs(host):
                 self.host_kv[first : first + n].copy_(staged[i : i + n], non_blocking=True)
             written = torch.cuda.Event()

@@ -99,14 +99,14 @@ class Scheduler:
         its admission: a prefix shared by queued requests is computed once, by the
         first, and counted once (a burst of one group's requests is one prefill and
         their suffixes, not a prefill each)."""
+        total = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        if not self.kv.enable_caching:  # nothing is shared: every prompt is computed whole
+            return total + sum(r.num_tokens for r in self.waiting)
         bs = self.block_size
-        ahead: set = set()  # hashes of blocks a request ahead will compute
-        total = 0
+        ahead: set = set()  # hashes of the blocks a request ahead will compute
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
-                total += r.num_prompt_tokens - r.num_computed_tokens
-                if self.kv.enable_caching:
-                    ahead.update(r.update_block_hashes()[r.num_computed_tokens // bs : r.num_prompt_tokens // bs])
+                ahead.update(r.update_block_hashes()[r.num_computed_tokens // bs : r.num_prompt_tokens // bs])
         for r in self.waiting:
             hashes = r.update_block_hashes()
             hit = self.kv.get_computed_blocks(r)[1] // bs

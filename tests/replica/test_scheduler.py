@@ -285,6 +285,10 @@ def test_queued_prefill_tokens_count_a_shared_prefix_once():
     for r in (make_req(list(range(24)) + [500, 501]), make_req(range(300, 310)), make_req(list(range(300, 308)) + [700])):
         other.add(r)
     assert other.queued_prefill_tokens() == 26 + 10 + 1
+    uncached, _ = make_sched(64, caching=False)  # nothing shared without a prefix cache
+    for r in (make_req(list(range(24)) + [500, 501]), make_req(list(range(24)) + [502])):
+        uncached.add(r)
+    assert uncached.queued_prefill_tokens() == 26 + 25
     sched2, _ = make_sched(64, budget=1000)
     a, b = make_req(range(100, 140)), make_req(list(range(100, 136)) + [9, 9])
     sched2.add(a)
