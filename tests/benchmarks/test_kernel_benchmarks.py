@@ -66,7 +66,7 @@ def test_restore_benchmark_runs_the_real_copy_path(tmp_path):
     r = gpu_engine.bench_restore(folder, torch.device("cpu"), torch.float32, prefix_tokens=128, iters=2)
     assert r["restored_kv_exact"] and r["blocks"] == 8
     assert r["bytes"] == 8 * 16 * 2 * 2 * 2 * 16 * 4  # blocks x tokens x layers x (K, V) x kv heads x head_dim x fp32
-    for key in ("prefill_ms", "restore_ms", "restore_ms_gpu_timed", "restore_and_suffix_ms", "step_with_offload_ms"):
+    for key in ("prefill_ms", "restore_ms", "restore_ms_gpu_timed", "restore_and_suffix_ms", "prefill_with_offload_ms"):
         assert r[key] > 0, key
     assert r["restore_over_prefill"] == pytest.approx(r["restore_ms"] / r["prefill_ms"])
     with pytest.raises(ValueError, match="multiple of 16"):
