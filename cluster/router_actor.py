@@ -128,7 +128,8 @@ class RouterService:
         decision = self.router.route(block_hashes, num_tokens, known)
         rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
         return Ranking(
-            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket
+            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket,
+            decision.available_tokens,
         )
 
     # ------------------------------------------------------------------ introspection

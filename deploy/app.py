@@ -210,7 +210,7 @@ class OpenAIIngress:
 
     async def __init__(self, args: dict[str, Any], config: ClusterConfig, engine_handle: Any) -> None:
         from kvroute.cluster.router_actor import get_or_create_router_actor
-        from kvroute.deploy.metrics import RoutingAccuracy
+        from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.serving import OpenAIServing
         from kvroute.replica.models.arch import ModelArch
         from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
@@ -230,7 +230,7 @@ class OpenAIIngress:
         self.serving = OpenAIServing(
             name, tokenizer, max_model_len, arch.vocab_size, ClusterBackend(client, self.router_actor), parsed.limits(), aliases
         )
-        self.accuracy = RoutingAccuracy()
+        self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -2,18 +2,21 @@
 kvroute's own routing figures.
 
 Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the router's
-``stats()`` (when a router runs), and the ingress' own ``RoutingAccuracy``.
+``stats()`` (when a router runs), and the ingress' own ``DecisionQuality``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvroute.cluster.messages import RouteTrace
 from kvroute.replica.request_metrics import process_figures
+
+if TYPE_CHECKING:
+    from kvroute.deploy.fanout import Choice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -37,29 +40,55 @@ _HISTOGRAMS = (
 )
 
 
-class RoutingAccuracy:
-    """Predicted vs actual cached tokens of the requests this ingress saw finish."""
+class DecisionQuality:
+    """How much prefix reuse the requests this ingress saw finish were offered, and where
+    it went (ARCHITECTURE.md §3.4, decision quality): per choice that carried a router prediction,
+    ``available`` (the longest prefix any candidate held at decision time), ``captured``
+    (what the router expected the chosen replica to hold) and ``delivered`` (the
+    replica's cached tokens). The prompt splits into delivered + losses: ``cold``
+    (prompt - available: held nowhere), ``routing`` (available - captured, by the
+    decision's reason) and ``stale`` (captured - delivered, when the replica held less
+    than the router expected). Choices without a prediction (fallback, next ranked,
+    resumed) count their delivered tokens under ``unpredicted``."""
 
     def __init__(self) -> None:
         self.requests = 0
+        self.prompt = 0
+        self.available = 0
         self.predicted = 0
         self.actual = 0
         self.abs_error = 0
+        self.cold = 0
+        self.stale = 0
+        self.routing: Counter[str] = Counter()
+        self.unpredicted_requests = 0
+        self.unpredicted_delivered = 0
 
-    def on_finished(self, trace: RouteTrace, num_cached_tokens: int) -> None:
+    def on_finished(self, choice: "Choice") -> None:
+        trace, delivered = choice.trace, choice.num_cached_tokens
         if trace.expected_cached_tokens is None:
+            self.unpredicted_requests += 1
+            self.unpredicted_delivered += delivered
             return
+        expected = trace.expected_cached_tokens
+        available = max(trace.available_tokens or 0, expected)
         self.requests += 1
-        self.predicted += trace.expected_cached_tokens
-        self.actual += num_cached_tokens
-        self.abs_error += abs(trace.expected_cached_tokens - num_cached_tokens)
+        self.prompt += choice.num_prompt_tokens
+        self.available += available
+        self.predicted += expected
+        self.actual += delivered
+        self.abs_error += abs(expected - delivered)
+        self.cold += max(choice.num_prompt_tokens - available, 0)
+        if available > expected:
+            self.routing[trace.reason or "unknown"] += available - expected
+        self.stale += max(expected - delivered, 0)
 
 
 def render(
     model_name: str,
     replicas: dict[str, dict[str, Any]],
     router: Optional[dict[str, Any]] = None,
-    accuracy: Optional[RoutingAccuracy] = None,
+    accuracy: Optional[DecisionQuality] = None,
     fallbacks: Optional[int] = None,
 ) -> bytes:
     """The Prometheus text exposition of everything given."""
@@ -111,7 +140,7 @@ def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> I
 
 
 def _router_families(
-    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[RoutingAccuracy], fallbacks: Optional[int]
+    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[DecisionQuality], fallbacks: Optional[int]
 ) -> Iterable[Metric]:
     labels = ["model_name"]
     if router is not None:
@@ -150,6 +179,36 @@ def _router_families(
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([model_name], float(value))
             yield c
+        yield from _reuse_families(model_name, accuracy)
+
+
+def _reuse_families(model_name: str, q: DecisionQuality) -> Iterable[Metric]:
+    fam = CounterMetricFamily(
+        "kvroute:reuse_tokens",
+        "Prompt tokens of predicted requests: offered (the prompt), available (longest prefix any candidate held), "
+        "captured (the router expected on its choice), delivered (the replica's cached tokens).",
+        labels=["model_name", "figure"],
+    )
+    for figure, value in (("offered", q.prompt), ("available", q.available), ("captured", q.predicted), ("delivered", q.actual)):
+        fam.add_metric([model_name, figure], float(value))
+    yield fam
+    loss = CounterMetricFamily(
+        "kvroute:reuse_loss_tokens",
+        "Prompt tokens not delivered from cache, by cause: cold (held nowhere), routing (held elsewhere; by the "
+        "decision's reason), stale (the chosen replica held less than expected).",
+        labels=["model_name", "kind", "reason"],
+    )
+    loss.add_metric([model_name, "cold", ""], float(q.cold))
+    for reason, value in sorted(q.routing.items()):
+        loss.add_metric([model_name, "routing", reason], float(value))
+    loss.add_metric([model_name, "stale", ""], float(q.stale))
+    yield loss
+    un = CounterMetricFamily(
+        "kvroute:unpredicted_requests", "Finished requests without a router prediction (fallback, next ranked, resumed).",
+        labels=["model_name"],
+    )
+    un.add_metric([model_name], float(q.unpredicted_requests))
+    yield un
 
 
 def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]]) -> Metric:

@@ -168,9 +168,8 @@ class Router:
             held = request.table.depth[cands.index(chosen)]  # type: ignore[union-attr]
         except ValueError:
             raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
-        cached = held * self.block_size
-        if cached >= num_tokens:
-            cached = max(num_tokens - 1, 0)
+        cached = self._cap(held, num_tokens)
+        decision.available_tokens = max(self._cap(request.table.longest(), num_tokens), decision.expected_cached_tokens)
         if held < len(block_hashes):
             self.directory.add_pending(chosen, block_hashes, start=held)
         self._ticket = ticket = self._ticket + 1
@@ -180,6 +179,11 @@ class Router:
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
         return decision
+
+    def _cap(self, blocks: int, num_tokens: int) -> int:
+        """Cached tokens of ``blocks`` matched blocks (the last prompt token is always computed)."""
+        cached = blocks * self.block_size
+        return max(num_tokens - 1, 0) if cached >= num_tokens else cached
 
     # ------------------------------------------------------------------ ClusterView
     def prefix_match(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str]) -> dict[ReplicaId, int]:
