@@ -7,13 +7,13 @@ Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the rou
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.replica.request_metrics import process_figures
+from kvroute.router.reuse import ReuseAccount
 
 if TYPE_CHECKING:
     from kvroute.deploy.fanout import Choice
@@ -41,26 +41,12 @@ _HISTOGRAMS = (
 
 
 class DecisionQuality:
-    """How much prefix reuse the requests this ingress saw finish were offered, and where
-    it went (ARCHITECTURE.md §3.4, decision quality): per choice that carried a router prediction,
-    ``available`` (the longest prefix any candidate held at decision time), ``captured``
-    (what the router expected the chosen replica to hold) and ``delivered`` (the
-    replica's cached tokens). The prompt splits into delivered + losses: ``cold``
-    (prompt - available: held nowhere), ``routing`` (available - captured, by the
-    decision's reason) and ``stale`` (captured - delivered, when the replica held less
-    than the router expected). Choices without a prediction (fallback, next ranked,
-    resumed) count their delivered tokens under ``unpredicted``."""
+    """Decision quality of the choices this ingress saw finish (``router/reuse.py``):
+    those that carried a router prediction go into ``reuse``; the others (fallback,
+    next ranked, resumed) are only counted, with their delivered tokens."""
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.prompt = 0
-        self.available = 0
-        self.predicted = 0
-        self.actual = 0
-        self.abs_error = 0
-        self.cold = 0
-        self.stale = 0
-        self.routing: Counter[str] = Counter()
+        self.reuse = ReuseAccount()
         self.unpredicted_requests = 0
         self.unpredicted_delivered = 0
 
@@ -70,18 +56,8 @@ class DecisionQuality:
             self.unpredicted_requests += 1
             self.unpredicted_delivered += delivered
             return
-        expected = trace.expected_cached_tokens
-        available = max(trace.available_tokens or 0, expected)
-        self.requests += 1
-        self.prompt += choice.num_prompt_tokens
-        self.available += available
-        self.predicted += expected
-        self.actual += delivered
-        self.abs_error += abs(expected - delivered)
-        self.cold += max(choice.num_prompt_tokens - available, 0)
-        if available > expected:
-            self.routing[trace.reason or "unknown"] += available - expected
-        self.stale += max(expected - delivered, 0)
+        self.reuse.add(choice.num_prompt_tokens, trace.available_tokens or 0, trace.expected_cached_tokens, delivered,
+                       trace.reason or "unknown")  # fmt: skip
 
 
 def render(
@@ -170,11 +146,12 @@ def _router_families(
         c.add_metric([model_name], float(fallbacks))
         yield c
     if accuracy is not None:
+        r = accuracy.reuse
         for name, value, doc in (
-            ("kvroute:predicted_cached_tokens", accuracy.predicted, "Cached prompt tokens the router expected."),
-            ("kvroute:actual_cached_tokens", accuracy.actual, "Cached prompt tokens the replicas reported."),
-            ("kvroute:cached_tokens_abs_error", accuracy.abs_error, "Sum of |expected - actual| cached tokens."),
-            ("kvroute:routed_requests", accuracy.requests, "Finished requests that carried a router prediction."),
+            ("kvroute:predicted_cached_tokens", r.captured, "Cached prompt tokens the router expected."),
+            ("kvroute:actual_cached_tokens", r.delivered, "Cached prompt tokens the replicas reported."),
+            ("kvroute:cached_tokens_abs_error", r.abs_error, "Sum of |expected - actual| cached tokens."),
+            ("kvroute:routed_requests", r.requests, "Finished requests that carried a router prediction."),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([model_name], float(value))
@@ -182,14 +159,15 @@ def _router_families(
         yield from _reuse_families(model_name, accuracy)
 
 
-def _reuse_families(model_name: str, q: DecisionQuality) -> Iterable[Metric]:
+def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metric]:
+    q = quality.reuse
     fam = CounterMetricFamily(
         "kvroute:reuse_tokens",
         "Prompt tokens of predicted requests: offered (the prompt), available (longest prefix any candidate held), "
         "captured (the router expected on its choice), delivered (the replica's cached tokens).",
         labels=["model_name", "figure"],
     )
-    for figure, value in (("offered", q.prompt), ("available", q.available), ("captured", q.predicted), ("delivered", q.actual)):
+    for figure, value in (("offered", q.offered), ("available", q.available), ("captured", q.captured), ("delivered", q.delivered)):
         fam.add_metric([model_name, figure], float(value))
     yield fam
     loss = CounterMetricFamily(
@@ -207,7 +185,7 @@ def _reuse_families(model_name: str, q: DecisionQuality) -> Iterable[Metric]:
         "kvroute:unpredicted_requests", "Finished requests without a router prediction (fallback, next ranked, resumed).",
         labels=["model_name"],
     )
-    un.add_metric([model_name], float(q.unpredicted_requests))
+    un.add_metric([model_name], float(quality.unpredicted_requests))
     yield un
 
 

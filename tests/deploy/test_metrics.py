@@ -21,11 +21,13 @@ def test_reuse_figures_and_losses_add_up_to_the_prompt():
     q.on_finished(finished(RouteTrace("c", 0, "new_prefix", 3, available_tokens=0), 100, 0))  # cold
     q.on_finished(finished(RouteTrace("d", 0, "prefix", 4, available_tokens=0), 50, 48))  # more than expected
     q.on_finished(finished(RouteTrace(reason="fallback"), 80, 64))  # no prediction
-    assert (q.requests, q.prompt, q.available, q.predicted, q.actual) == (4, 550, 224, 128, 160)
-    assert (q.cold, dict(q.routing), q.stale) == (326, {"load": 96}, 16)
+    r = q.reuse
+    assert (r.requests, r.offered, r.available, r.captured, r.delivered) == (4, 550, 224, 128, 160)
+    assert (r.cold, dict(r.routing), r.stale) == (326, {"load": 96}, 16)
     assert (q.unpredicted_requests, q.unpredicted_delivered) == (1, 64)
-    # prompt = delivered + cold + routing + stale - (what was delivered beyond the expectation)
-    assert q.prompt == q.actual + q.cold + sum(q.routing.values()) + q.stale - 48
+    # offered = delivered + cold + routing + stale - (what was delivered beyond the expectation)
+    assert r.offered == r.delivered + r.cold + sum(r.routing.values()) + r.stale - 48
+    assert r.as_dict()["routing_share"] == 96 / 550
     fams = {f.name: f for f in text_string_to_metric_families(render("m", {}, None, q, 0).decode())}
     reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
     assert reuse == {"offered": 550, "available": 224, "captured": 128, "delivered": 160}
