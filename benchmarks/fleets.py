@@ -256,13 +256,13 @@ class ServeFleet:
     def close(self) -> None:
         from ray import serve
 
-        from kvroute.cluster.router_actor import kill_router_actor
+        from kvroute.cluster.router_actor import kill_router_actors
 
         try:
             if self.app_name in serve.status().applications:
                 serve.delete(self.app_name)
         finally:
-            kill_router_actor(f"kvroute-router:{self.app_name}")
+            kill_router_actors(self.app_name)
             self._kill_prefix_tree_actor()
 
 

@@ -7,6 +7,7 @@ Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the rou
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -60,19 +61,34 @@ class DecisionQuality:
                        trace.reason or "unknown")  # fmt: skip
 
 
+def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several router actors' ``stats()`` as one: decisions (each router counts its own)
+    summed, and each router's peer staleness kept under ``peer_staleness_ms_by_router``;
+    the rest (directory, replicas, in flight: every router holds all of it) from the
+    first."""
+    merged = dict(stats[0])
+    reasons: Counter[str] = Counter()
+    for s in stats:
+        reasons.update(s.get("decisions_by_reason", {}))
+    merged["decisions_by_reason"] = dict(reasons)
+    merged["peer_staleness_ms_by_router"] = [s.get("peer_staleness_ms") or {} for s in stats]
+    return merged
+
+
 def render(
     model_name: str,
     replicas: dict[str, dict[str, Any]],
     router: Optional[dict[str, Any]] = None,
     accuracy: Optional[DecisionQuality] = None,
     fallbacks: Optional[int] = None,
+    failovers: Optional[int] = None,
 ) -> bytes:
     """The Prometheus text exposition of everything given."""
 
     class _Collector:
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
-            yield from _router_families(model_name, router, accuracy, fallbacks)
+            yield from _router_families(model_name, router, accuracy, fallbacks, failovers)
             yield _process_family(model_name, replicas, router)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
@@ -116,7 +132,8 @@ def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> I
 
 
 def _router_families(
-    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[DecisionQuality], fallbacks: Optional[int]
+    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[DecisionQuality], fallbacks: Optional[int],
+    failovers: Optional[int] = None,
 ) -> Iterable[Metric]:
     labels = ["model_name"]
     if router is not None:
@@ -141,9 +158,15 @@ def _router_families(
         for rid, count in sorted(router.get("in_flight_by_replica", {}).items()):
             g.add_metric([model_name, rid], float(count))
         yield g
+        yield _staleness_family(model_name, router.get("peer_staleness_ms_by_router", []))
     if fallbacks is not None:
         c = CounterMetricFamily("kvroute:router_fallbacks", "Requests routed without the router (power of two).", labels=labels)
         c.add_metric([model_name], float(fallbacks))
+        yield c
+    if failovers is not None:
+        c = CounterMetricFamily("kvroute:router_failovers", "Requests ranked by another router after one did not answer.",
+                                labels=labels)  # fmt: skip
+        c.add_metric([model_name], float(failovers))
         yield c
     if accuracy is not None:
         r = accuracy.reuse
@@ -157,6 +180,19 @@ def _router_families(
             c.add_metric([model_name], float(value))
             yield c
         yield from _reuse_families(model_name, accuracy)
+
+
+def _staleness_family(model_name: str, by_router: list[dict[str, float]]) -> Metric:
+    g = GaugeMetricFamily(
+        "kvroute:router_peer_staleness_seconds",
+        "Age of the other routers' decisions when they reached this router (median and 99th percentile of the latest).",
+        labels=["model_name", "router", "quantile"],
+    )
+    for i, ages in enumerate(by_router):
+        for q, key in (("0.5", "p50"), ("0.99", "p99")):
+            if key in ages:
+                g.add_metric([model_name, str(i), q], ages[key] / 1e3)
+    return g
 
 
 def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metric]:
