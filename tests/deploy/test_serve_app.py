@@ -135,7 +135,7 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
     config = ClusterConfig(engine=EngineConfig(model=str(tiny_llama_path)), app_name="kvhealth")
     router = get_or_create_router_actor(config)
     try:
-        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, router))
+        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, [router]))
 
         async def no_metrics():
             return b"", "text/plain"
