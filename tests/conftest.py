@@ -147,6 +147,27 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer:
     )
 
 
+# How the CPU engine's key tests run (the fixture ``cpu_mode``): on the capability the run
+# started with (the machine's, unless KVROUTE_CPU_CAPABILITY is set outside), forced down
+# to AVX2 (no AVX-512: no oneDNN bf16 reorder, C kernels built for x86-64-v3,
+# dtype='auto' is fp32), and with the native C kernels off (torch references).
+CPU_MODES: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"KVROUTE_CPU_CAPABILITY": "avx2"},
+    "no_native": {"KVROUTE_NATIVE": "0"},
+}
+
+
+@pytest.fixture(params=list(CPU_MODES))
+def cpu_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test once per CPU mode. Both variables are read on every call (the C
+    kernels are built and cached per target), so no cache needs clearing; an engine must
+    be built and run inside the test."""
+    for name, value in CPU_MODES[request.param].items():
+        monkeypatch.setenv(name, value)
+    return request.param
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy (returned) or time runs out."""
     import time
