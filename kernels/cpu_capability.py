@@ -14,9 +14,9 @@ it (ARCHITECTURE.md §6, CPU capabilities):
 bigger CPU: ``avx2`` pretends an AVX2/FMA/F16C CPU without AVX-512, AMX or the AVX-VNNI
 and -NE-CONVERT extensions (no oneDNN bf16 reorder; C kernels built for x86-64-v3),
 ``avx512`` an AVX-512 CPU without bf16 or AMX (x86-64-v4), ``default`` the x86-64
-baseline (SSE2). A level can only lower what the CPU has. torch's own kernels are not
-affected: they follow ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``, read once
-when torch starts.
+baseline (SSE2). A level can only lower what the CPU has. It is read once, on first use
+(``cpu_kernels.reset`` reads it again). torch's own kernels are not affected: they
+follow ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``, read once when torch starts.
 
 torch is imported only by ``onednn_bf16_reorder``, so the rest answers without it.
 """
@@ -74,14 +74,11 @@ class CpuCapability:
         return flags_allow and _torch_onednn_bf16()
 
 
-def current() -> CpuCapability:
-    """The capability as forced by ``KVROUTE_CPU_CAPABILITY`` now (read on every call, so
-    a test may switch it)."""
-    return _capability(os.environ.get(ENV, ""))
-
-
 @functools.lru_cache(maxsize=None)
-def _capability(forced_level: str) -> CpuCapability:
+def current() -> CpuCapability:
+    """The capability as ``KVROUTE_CPU_CAPABILITY`` forces it, read once (tests switch it
+    with ``cpu_kernels.reset``)."""
+    forced_level = os.environ.get(ENV, "")
     flags = machine_flags()
     if not forced_level:
         return CpuCapability(flags, forced=False)

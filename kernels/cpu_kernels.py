@@ -7,7 +7,7 @@ failed build, logged once; a dtype, layout or size it does not cover), and the c
 uses the torch reference. ``KVROUTE_NATIVE=0`` turns the native kernels off. The
 compiler targets what ``cpu_capability`` says (``-march=native``, or a lower level when
 ``KVROUTE_CPU_CAPABILITY`` forces one); each target is built and cached on its own. Both
-variables are read on every call, so a test may switch them.
+variables are read once, on first use; ``reset`` reads them again.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def reset() -> None:
+    """Read ``KVROUTE_NATIVE`` and ``KVROUTE_CPU_CAPABILITY`` again (tests switch them);
+    a target built before is not built again."""
+    cpu_capability.current.cache_clear()
+    _library.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVROUTE_NATIVE", "1") == "0":
         return None

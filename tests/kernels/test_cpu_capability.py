@@ -10,6 +10,7 @@ import pytest
 
 from kvroute.kernels import cpu_capability
 from kvroute.kernels.cpu_capability import CpuCapability
+from tests.conftest import cpu_env
 
 AVX2 = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -49,10 +50,10 @@ def test_onednn_bf16_reorder_needs_avx512_bw_vl_dq_or_avx_ne_convert():
 
 
 @pytest.mark.parametrize("level", cpu_capability.LEVELS)
-def test_forcing_only_lowers(level, monkeypatch):
-    monkeypatch.setenv(cpu_capability.ENV, level)
+def test_forcing_only_lowers(level):
     machine = cpu_capability.machine_flags()
-    cap = cpu_capability.current()
+    with cpu_env({cpu_capability.ENV: level}):
+        cap = cpu_capability.current()
     assert cap.flags <= machine and cap.forced == (cap.flags != machine)
     assert cpu_capability.LEVELS.index(cap.level) <= cpu_capability.LEVELS.index(level)
     assert not cap.native_bf16_matmul
@@ -61,12 +62,12 @@ def test_forcing_only_lowers(level, monkeypatch):
         assert not cap.onednn_bf16_reorder
 
 
-def test_unset_is_the_machine_and_a_bad_level_is_refused(monkeypatch):
-    monkeypatch.delenv(cpu_capability.ENV, raising=False)
-    assert cpu_capability.current() == CpuCapability(cpu_capability.machine_flags(), forced=False)
-    monkeypatch.setenv(cpu_capability.ENV, "avx1024")
-    with pytest.raises(ValueError, match=r"KVROUTE_CPU_CAPABILITY must be one of \('default', 'avx2', 'avx512'\)"):
-        cpu_capability.current()
+def test_unset_is_the_machine_and_a_bad_level_is_refused():
+    with cpu_env({cpu_capability.ENV: None}):
+        assert cpu_capability.current() == CpuCapability(cpu_capability.machine_flags(), forced=False)
+    with cpu_env({cpu_capability.ENV: "avx1024"}):
+        with pytest.raises(ValueError, match=r"KVROUTE_CPU_CAPABILITY must be one of \('default', 'avx2', 'avx512'\)"):
+            cpu_capability.current()
 
 
 def test_imports_without_torch():

@@ -16,6 +16,7 @@ included.
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_refe
 from kvroute.kernels.rotary import rotary_reference_
 from kvroute.replica.models.decoder import PackedLinear
 from kvroute.replica.models.rope import RotaryEmbedding
+from tests.conftest import cpu_env
 from tests.kernels.batches import build_batch, dense_attention
 
 
@@ -38,15 +40,15 @@ ULP = 1e-2  # one bf16 ulp of values of order 1 (relative 2^-7)
 
 
 @pytest.fixture(params=["native", "avx2", "default"])
-def native_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def native_build(request: pytest.FixtureRequest) -> Iterator[None]:
     """The C kernels built for the capability the run started with, and for AVX2 and the
     x86-64 baseline (a level the CPU lacks is not forced: the CPU's own build again).
     Fail (not skip) when one does not build: every CI machine has a C compiler, and the
     engine relies on it."""
-    monkeypatch.delenv("KVROUTE_NATIVE", raising=False)
-    if request.param != "native":
-        monkeypatch.setenv(cpu_capability.ENV, request.param)
-    assert cpu_kernels.available(), "the native CPU kernels did not build (see the log)"
+    env = {"KVROUTE_NATIVE": None} | ({} if request.param == "native" else {cpu_capability.ENV: request.param})
+    with cpu_env(env):
+        assert cpu_kernels.available(), "the native CPU kernels did not build (see the log)"
+        yield
 
 
 @pytest.mark.usefixtures("native_build")
@@ -243,13 +245,13 @@ def test_packed_linear_is_the_linear(bias):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_without_the_bf16_reorder_is_packed_in_float32(bias, monkeypatch):
+def test_bf16_linear_without_the_bf16_reorder_is_packed_in_float32(bias):
     """Forced down to AVX2 (on every machine): the weight packed in fp32, the input widened,
     the output rounded once. That is F.linear in fp32 rounded to bf16 up to the summation
     order, and the bf16 Linear within one bf16 ulp."""
-    monkeypatch.setenv(cpu_capability.ENV, "avx2")
     lin = torch.nn.Linear(576, 960, bias=bias).bfloat16()
-    packed = PackedLinear(lin)
+    with cpu_env({cpu_capability.ENV: "avx2"}):
+        packed = PackedLinear(lin)
     assert packed.widen
     wide_bias = None if lin.bias is None else lin.bias.float()
     for rows in (1, 64, 300):

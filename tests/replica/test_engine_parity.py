@@ -8,6 +8,7 @@ import pytest
 from kvroute.kernels import cpu_capability
 from kvroute.replica.llm import LLM
 from kvroute.replica.sampling_params import SamplingParams
+from tests.conftest import cpu_env
 from tests.replica.helpers import assert_no_leak, engine_greedy, hf_greedy, prompts_for
 
 NEW = 32
@@ -89,9 +90,7 @@ def _bf16_greedy(path):
 @pytest.fixture(scope="module")
 def bf16_on_the_machine(tiny_llama_path, tiny_qwen2_path):
     """bf16 greedy outputs on this CPU's own fast paths (nothing forced, native kernels on)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(cpu_capability.ENV, raising=False)
-        mp.delenv("KVROUTE_NATIVE", raising=False)
+    with cpu_env({cpu_capability.ENV: None, "KVROUTE_NATIVE": None}):
         return {path: _bf16_greedy(path) for path in (tiny_llama_path, tiny_qwen2_path)}
 
 
