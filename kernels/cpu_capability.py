@@ -6,7 +6,8 @@ it (ARCHITECTURE.md §6, CPU capabilities):
   within oneDNN's ISA limit (``ONEDNN_MAX_CPU_ISA``); torch's own check is asked, after
   the cpuinfo flags (which the forcing below masks).
 - ``native_bf16_matmul``: the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in
-  /proc/cpuinfo's flags); ``dtype='auto'`` picks bf16 only then.
+  /proc/cpuinfo's flags; on Arm its ``bf16`` feature); ``dtype='auto'`` picks bf16 only
+  then.
 - ``level`` and ``compile_flags``: the instruction set the native C kernels are compiled
   for (``-march=native`` on the real CPU) and its vector width.
 
@@ -42,8 +43,12 @@ _ABOVE = {
 
 @dataclass(frozen=True)
 class CpuCapability:
-    flags: frozenset[str]  # /proc/cpuinfo's, less those a forced level removes
+    flags: frozenset[str]  # /proc/cpuinfo's (Arm: its features), less those a forced level removes
     forced: bool  # KVROUTE_CPU_CAPABILITY removed some
+
+    @property
+    def x86(self) -> bool:
+        return "sse2" in self.flags
 
     @property
     def level(self) -> str:
@@ -59,19 +64,20 @@ class CpuCapability:
     def compile_flags(self) -> tuple[str, ...]:
         """The C compiler's target flags for the native kernels (only -march=native where
         the flags are not an x86-64 CPU's: unknown, or another architecture)."""
-        if "sse2" not in self.flags:
+        if not self.x86:
             return ("-march=native",)
         march = _MARCH[self.level] if self.forced else "native"
         return f"-march={march}", f"-mprefer-vector-width={self.vector_bits}"
 
     @property
     def native_bf16_matmul(self) -> bool:
-        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags) or (not self.x86 and "bf16" in self.flags)
 
     @property
     def onednn_bf16_reorder(self) -> bool:
-        flags_allow = {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
-        return flags_allow and _torch_onednn_bf16()
+        """torch's check, after the x86 rule on the flags (so forcing takes it away)."""
+        x86_allows = {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
+        return (x86_allows or not self.x86) and _torch_onednn_bf16()
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +98,7 @@ def current() -> CpuCapability:
 def machine_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         line = ""
     return frozenset(line.partition(":")[2].split())

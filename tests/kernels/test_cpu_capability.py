@@ -36,9 +36,11 @@ def test_rules_on_flag_sets(flags, level, bits, bf16):
     }[level]
 
 
-def test_other_architectures_compile_for_themselves():
+def test_other_architectures_compile_for_themselves_and_ask_torch():
     assert CpuCapability(frozenset(), forced=False).compile_flags == ("-march=native",)
-    assert CpuCapability(frozenset({"fp", "asimd", "bf16"}), forced=False).compile_flags == ("-march=native",)
+    arm = CpuCapability(frozenset({"fp", "asimd", "bf16"}), forced=False)  # an Arm CPU's features
+    assert arm.compile_flags == ("-march=native",) and arm.native_bf16_matmul
+    assert arm.onednn_bf16_reorder == cpu_capability._torch_onednn_bf16()
 
 
 def test_onednn_bf16_reorder_needs_avx512_bw_vl_dq_or_avx_ne_convert():
