@@ -18,9 +18,8 @@ from typing import Iterator
 
 import torch
 
-import torch.nn.functional as F
-
 from kvroute.kernels import cpu_kernels
+from kvroute.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
@@ -95,11 +94,10 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` on the last dimension."""
+    if uses_triton(gate_up.device):
+        return silu_and_mul_triton(gate_up.contiguous())
     native = cpu_kernels.silu_and_mul(gate_up) if _native() else None
-    if native is not None:
-        return native
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return native if native is not None else silu_and_mul_reference(gate_up)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
