@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvroute.kernels import ops
+from kvroute.kernels import cpu_capability, ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.cuda_graphs import DecodeGraphs
 from kvroute.replica.host_copies import HostCopies
@@ -34,15 +34,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 wherever the hardware multiplies it natively (CUDA; CPUs with AVX512-BF16
         # or AMX, where bf16 matmuls measured 4.6x fp32); fp32 elsewhere.
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+        native = device.type == "cuda" or cpu_capability.current().native_bf16_matmul
+        return torch.bfloat16 if native else torch.float32
     return _TORCH_DTYPES[name]
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
