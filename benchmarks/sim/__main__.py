@@ -80,6 +80,8 @@ def run_workload(name: str, args: argparse.Namespace, cost: StepProfile, policie
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay,
+        num_routers=args.num_routers,
+        peer_delay_s=args.peer_delay,
     )
     cfg = dataclasses.replace(cfg, host_kv_blocks=round(args.host_kv_factor * cfg.kv_blocks))
     cap = estimate_capacity(base, cost, cfg)
@@ -207,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--event-delay", type=float, default=0.0, help="seconds between a step's end and its KV events reaching the router")
+    p.add_argument("--num-routers", type=int, default=1, help="routers taking the arrivals in turn, each fed every replica's events")
+    p.add_argument("--peer-delay", type=float, default=0.0,
+                   help="seconds before a router's decision reaches the others (< 0: never: independent routers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/sim", help="output folder")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per run on stderr")

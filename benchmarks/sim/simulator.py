@@ -18,6 +18,12 @@ deterministic for a fixed workload and seed):
 
 The router's clock is the simulation's clock, so its pending-entry TTL runs in
 simulated seconds.
+
+``num_routers`` > 1: that many routers, each receiving every replica's events, take the
+arrivals in turn (clients spread evenly over ingresses). With ``peer_delay_s`` >= 0 each
+decision reaches the other routers that much later (``Router.note_routed``: kvroute's
+shared decisions); with ``peer_delay_s`` < 0 they never do (independent routers, the way
+users scale the peers' routers).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.reuse import ReuseAccount
 
-_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL = 0, 1, 2, 3, 4
+_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL, _PEER = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class SimConfig:
     join_at_s: float = 0.0
     failing_replicas: int = 0  # failure: the first ones of num_replicas die at fail_at_s, replaced empty
     fail_at_s: float = 0.0
+    num_routers: int = 1  # routers taking the arrivals in turn, each fed every replica's events
+    peer_delay_s: float = 0.0  # a decision reaches the other routers this much later (< 0: never)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -63,6 +71,8 @@ class SimConfig:
             raise ValueError(f"failing_replicas must be in [0, the replicas present at the start], got {self.failing_replicas}")
         if self.event_delay_s < 0:
             raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -100,11 +110,13 @@ class Simulation:
         self.replicas = {f"r{i}": self._new_replica(f"r{i}") for i in range(config.num_replicas)}
         if policy == "oracle":
             policy_kwargs.setdefault("true_match", lambda rid, hashes: self.replicas[rid].true_match(list(hashes)))
-        self.router = router_factory(
-            policy, config.block_size, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now, **policy_kwargs
-        )
-        for rid in list(self.replicas)[: config.num_replicas - config.joining_replicas]:
-            self.router.add_replica(rid, config.kv_blocks, config.host_kv_blocks)
+        self.routers = [
+            router_factory(policy, config.block_size, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now, **policy_kwargs)
+            for _ in range(config.num_routers)
+        ]
+        self.router = self.routers[0]
+        self._arrivals = 0
+        self._add(list(self.replicas)[: config.num_replicas - config.joining_replicas])
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
         self._dependents: dict[str, list[RequestSpec]] = {}
@@ -112,6 +124,11 @@ class Simulation:
         self.num_snapshots = 0
         self.reasons: dict[str, int] = {}
         self.num_retried = 0
+
+    def _add(self, replica_ids: list[str]) -> None:
+        for router in self.routers:
+            for rid in replica_ids:
+                router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
 
     def _new_replica(self, replica_id: str) -> SimReplica:
         c = self.config
@@ -140,10 +157,12 @@ class Simulation:
             elif kind == _STEP_END:
                 self._step_end(payload)
             elif kind == _JOIN:
-                for rid in payload:
-                    self.router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
+                self._add(payload)
             elif kind == _FAIL:
                 self._fail(payload)
+            elif kind == _PEER:
+                router, args = payload
+                router.note_routed(*args)
             else:
                 self._deliver(payload)
         return self.metrics()
@@ -153,7 +172,18 @@ class Simulation:
         hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt)
         # a text-matching peer sees the prompt, not the salt
         text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids)
-        decision = self.router.route(hashes, spec.num_prompt_tokens, None, text)
+        k = self._arrivals % len(self.routers)
+        self._arrivals += 1
+        decision = self.routers[k].route(hashes, spec.num_prompt_tokens, None, text)
+        if self.config.peer_delay_s >= 0:
+            for j, peer in enumerate(self.routers):
+                args = (decision.replica_id, hashes, spec.num_prompt_tokens, decision.ticket)
+                if j == k:
+                    continue
+                if self.config.peer_delay_s == 0:
+                    peer.note_routed(*args)
+                else:
+                    self._push(self.now + self.config.peer_delay_s, _PEER, (peer, args))
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket
@@ -170,8 +200,9 @@ class Simulation:
         for rid in replica_ids:
             lost += self.replicas[rid].requests.values()
             self.replicas[rid] = self._new_replica(rid)  # the dead one's pending step end is ignored
-            self.router.remove_replica(rid)
-            self.router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
+            for router in self.routers:
+                router.remove_replica(rid)
+            self._add([rid])
         self.num_retried += len(lost)
         for sim in lost:
             self._arrive(sim.spec, sim.arrival_s, sim.first_token_s)
@@ -197,11 +228,12 @@ class Simulation:
             self._start(rep)
 
     def _deliver(self, events: KVEvents) -> None:
-        if not self.router.apply(events):
-            rep = self.replicas[events.replica_id]
-            self.router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load(),
-                                       rep.kv.host_block_hashes())  # fmt: skip
-            self.num_snapshots += 1
+        for router in self.routers:
+            if not router.apply(events):
+                rep = self.replicas[events.replica_id]
+                router.apply_snapshot(rep.replica_id, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load(),
+                                      rep.kv.host_block_hashes())  # fmt: skip
+                self.num_snapshots += 1
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:

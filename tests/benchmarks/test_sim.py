@@ -260,3 +260,20 @@ def test_fleet_matrix_sim_only_fills_every_cell_without_a_cluster(tmp_path, caps
         assert row["ttft_median_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
         assert row["rate"] == pytest.approx(row["load"] * row["capacity_rps"], rel=1e-3)
     assert len(matrix["targets"]) == len(scenarios) * len(loads)
+
+
+def test_routers_that_share_decisions_place_like_one_and_independent_ones_do_not():
+    """Four routers taking the arrivals in turn: sharing their decisions at once, they
+    keep one router's hit rate; never sharing (how the peers' routers scale), each sends
+    a new group's burst wherever its own view says, and hits fall."""
+    from dataclasses import replace
+
+    wl = W.with_poisson_arrivals(W.generated_shared_prefix(8, 8, 256, 16, 8, seed=1), rate=200.0, seed=1)
+    one = run("kvroute", wl)
+    shared = run("kvroute", wl, replace(CFG, num_routers=4))
+    lagged = run("kvroute", wl, replace(CFG, num_routers=4, peer_delay_s=0.002))
+    alone = run("kvroute", wl, replace(CFG, num_routers=4, peer_delay_s=-1))
+    for m in (shared, lagged, alone):
+        assert m["completed"] == len(wl) and m["leaked_blocks"] == 0
+    assert shared["hit_rate"] >= 0.98 * one["hit_rate"] and lagged["hit_rate"] >= 0.98 * one["hit_rate"]
+    assert alone["reuse"]["routing_share"] + alone["reuse"]["stale_share"] > shared["reuse"]["routing_share"] + shared["reuse"]["stale_share"]
