@@ -9,7 +9,8 @@ heartbeat and re-registers when the router does not know it).
 Replicas ``register`` (with their HashSpec: a mismatch is refused) and then ``push``
 coalesced KV events to every router; a Serve request router calls ``rank`` on one
 router per request. Each router hands its decisions to the others (``share``: batched,
-at most ``PEER_FLUSH_S`` after the decision or with the next call), which apply them
+with its next call at least ``PEER_FLUSH_S`` after the last batch, and by a flusher
+thread every ``PEER_FLUSH_S`` otherwise), which apply them
 as their own (``note_peer_decisions``: pending blocks and load increments under the
 decision's ticket), so N routers place like one; ``stats()["peer_staleness_ms"]`` is
 how old a peer's decision was when it arrived.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -62,6 +64,7 @@ class RouterService:
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
         self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
         self._share = share
+        self._share_lock = threading.Lock()
         self._outbox: list[PeerDecision] = []
         self._last_share = 0.0
         self._staleness_s: deque[float] = deque(maxlen=2048)  # age of the peers' decisions on arrival
@@ -157,10 +160,22 @@ class RouterService:
     def _flush_peers(self, force: bool = False) -> None:
         if not self._outbox:
             return
-        now = self.clock()
-        if force or now - self._last_share >= PEER_FLUSH_S or len(self._outbox) >= 64:
-            batch, self._outbox, self._last_share = self._outbox, [], now
-            self._share(batch)  # type: ignore[misc]
+        with self._share_lock:  # the flusher thread and the actor's calls
+            now = self.clock()
+            if self._outbox and (force or now - self._last_share >= PEER_FLUSH_S or len(self._outbox) >= 64):
+                batch, self._outbox, self._last_share = self._outbox, [], now
+                self._share(batch)  # type: ignore[misc]
+
+    def start_flusher(self, period_s: float = PEER_FLUSH_S) -> None:
+        """Send buffered decisions every ``period_s`` from a daemon thread too, so the
+        last ones before a lull do not wait for this router's next call."""
+
+        def loop() -> None:
+            while True:
+                time.sleep(period_s)
+                self._flush_peers(force=True)
+
+        threading.Thread(target=loop, name="kvroute-peer-flush", daemon=True).start()
 
     def note_peer_decisions(self, batch: list[PeerDecision]) -> int:
         """Apply another router's decisions; returns how many named a known replica."""
@@ -218,6 +233,8 @@ class _PeeredRouterService(RouterService):
                          share=self._send if peers else None)  # fmt: skip
         self._peer_names = peers
         self._handles: dict[str, ray.actor.ActorHandle] = {}
+        if peers:
+            self.start_flusher()
 
     def _send(self, batch: list[PeerDecision]) -> None:
         for name in self._peer_names:

@@ -131,3 +131,19 @@ def test_routers_share_their_decisions_so_two_place_like_one():
     assert second.replica_ids[0] == chosen and second.expected_cached_tokens == 8 * SPEC.block_size
     assert set(b.stats()["peer_staleness_ms"]) == {"p50", "p99"}
     assert b.note_peer_decisions([("gone", prefix, 40, 1, 0.0)]) == 0  # an unknown replica is skipped
+
+
+def test_the_flusher_sends_the_last_decisions_before_a_lull():
+    """With the flusher thread, a decision reaches the peer router without another call."""
+    import time
+
+    a, b = RouterService(SPEC), RouterService(SPEC)
+    a._share = b.note_peer_decisions  # noqa: SLF001
+    for svc in (a, b):
+        svc.register("r0", SPEC, 100, [], 0, LoadFigures())
+    a.start_flusher(0.005)
+    a.rank([BlockHash(7), BlockHash(8)], 12, ["r0"])
+    deadline = time.monotonic() + 5
+    while b.router.stats()["peer_decisions"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert b.router.stats()["peer_decisions"] == 1 and b.router.load("r0").in_flight == 1
