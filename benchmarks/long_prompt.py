@@ -7,7 +7,10 @@ Sends one long chat (``--long-messages`` "ok" messages; 1,000 is a 6.5k-token pr
 for SmolLM2), then, from ``--delay-s`` later until it answers, keeps ``--concurrency``
 short streamed chats (``max_tokens`` 4) in flight and times each one's first token.
 Reports the short ones' TTFT p50 / p99 / max, how many finished before the long one, and
-the long one's seconds. One summary line; JSON in ``results/long_prompt.json``.
+the long one's seconds. ``--background-tokens N --background-concurrency M`` keeps M
+more requests of about N distinct tokens each in flight meanwhile (a busy fleet, like
+issue 31's table of edge cases; not in the TTFT figures). One summary line; JSON in
+``results/long_prompt.json``.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from kvroute.benchmarks.soak import start_service, stop_service
 MODEL = "smollm2-135m-instruct"
 
 
-async def _short(c: httpx.AsyncClient, i: int) -> dict[str, Any]:
-    """One short streamed chat: its TTFT and end, in seconds from its start."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say a word ({i})."}], "max_tokens": 4,
+async def _short(c: httpx.AsyncClient, i: int, words: int = 0) -> dict[str, Any]:
+    """One short streamed chat (``words`` more words after a distinct start): its TTFT
+    and end, in seconds from its start."""
+    content = f"Say a word ({i})." + " ok" * words
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
             "temperature": 0, "stream": True}  # fmt: skip
     started = time.monotonic()
     ttft = None
@@ -38,31 +43,39 @@ async def _short(c: httpx.AsyncClient, i: int) -> dict[str, Any]:
     return {"status": r.status_code, "ttft_s": ttft, "e2e_s": time.monotonic() - started, "end": time.monotonic()}
 
 
-async def _shorts_until(c: httpx.AsyncClient, done: asyncio.Future, concurrency: int, limit_s: float) -> list[dict]:
-    """Keep ``concurrency`` short requests in flight until ``done`` (or ``limit_s``)."""
+async def _shorts_until(
+    c: httpx.AsyncClient, done: asyncio.Future, concurrency: int, limit_s: float, words: int = 0, first: int = 0
+) -> list[dict]:
+    """Keep ``concurrency`` requests of ``words`` more words in flight until ``done``
+    (or ``limit_s``); request ids from ``first``."""
     results: list[dict] = []
     deadline = time.monotonic() + limit_s
-    count = 0
+    count = first
 
     async def worker() -> None:
         nonlocal count
         while not done.done() and time.monotonic() < deadline:
             count += 1
-            results.append(await _short(c, count))
+            results.append(await _short(c, count, words))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
 
-async def run(url: str, long_messages: int, concurrency: int, delay_s: float, limit_s: float) -> dict[str, Any]:
+async def run(
+    url: str, long_messages: int, concurrency: int, delay_s: float, limit_s: float, background: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
     messages = [{"role": ("user", "assistant")[i % 2], "content": "ok"} for i in range(long_messages)]
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as c:
         started = time.monotonic()
         long = asyncio.ensure_future(c.post("/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}))  # fmt: skip
+        words, workers = background
+        busy = asyncio.ensure_future(_shorts_until(c, long, workers, limit_s, words, first=1 << 20))
         await asyncio.sleep(delay_s)
         shorts = await _shorts_until(c, long, concurrency, limit_s)
         resp = await long
+        busy_results = await busy
         long_s, long_end = time.monotonic() - started, time.monotonic()
     ttfts = sorted(s["ttft_s"] for s in shorts if s["ttft_s"] is not None)
     return {
@@ -75,6 +88,8 @@ async def run(url: str, long_messages: int, concurrency: int, delay_s: float, li
         "ttft_p50_s": _pct(ttfts, 0.5),
         "ttft_p99_s": _pct(ttfts, 0.99),
         "ttft_max_s": ttfts[-1] if ttfts else None,
+        "background": len(busy_results),
+        "background_failed": sum(s["status"] != 200 for s in busy_results),
     }
 
 
@@ -95,6 +110,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--delay-s", type=float, default=1.0, help="start the short requests this long after the long one")
     p.add_argument("--limit-s", type=float, default=300.0, help="stop the short requests after this long at most")
+    p.add_argument("--background-tokens", type=int, default=0, help="words per background request")
+    p.add_argument("--background-concurrency", type=int, default=0)
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. the commit measured)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -105,16 +122,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         dtype=args.dtype, block_size=None, num_kv_blocks=None, max_model_len=None)  # fmt: skip
         proc, url = start_service(serve_args)
     try:
-        result = asyncio.run(run(url, args.long_messages, args.concurrency, args.delay_s, args.limit_s))
+        background = (args.background_tokens, args.background_concurrency)
+        result = asyncio.run(run(url, args.long_messages, args.concurrency, args.delay_s, args.limit_s, background))
     finally:
         if proc is not None:
             stop_service(proc)
-    result.update(label=args.label, replicas=args.replicas, dtype=args.dtype, concurrency=args.concurrency)
+    result.update(label=args.label, replicas=args.replicas, dtype=args.dtype, concurrency=args.concurrency,
+                  background_tokens=args.background_tokens, background_concurrency=args.background_concurrency)
     summary = (f"long {result['long_prompt_tokens']} tokens in {result['long_s']:.1f} s; {result['shorts']} short "
                f"({result['shorts_failed']} failed, {result['shorts_before_long']} done before it): TTFT p50 "
                f"{_s(result['ttft_p50_s'])} s, p99 {_s(result['ttft_p99_s'])} s, max {_s(result['ttft_max_s'])} s")  # fmt: skip
     write_result("long_prompt", result, summary, args.out)
-    return 0 if result["long_status"] == 200 and not result["shorts_failed"] else 1
+    return 0 if result["long_status"] == 200 and not (result["shorts_failed"] or result["background_failed"]) else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ step's chunk needs are allocated; a non-final prefill chunk ends on a page bound
 newest running request is preempted (recompute) and later resumes from its cache hits.
 
 A step's time is bounded as well as its tokens: while more than one request is running
-or waiting, ``step_target_s`` (less the step overhead and the decodes) is shared evenly
+or waiting, ``step_target_s`` (less the step overhead and the decodes, down to half of
+it) is shared evenly
 by the rows with prompt left to compute, and each prefill chunk is cut to what its share
 buys at the measured cost (``replica/step_cost.py``), one block at least, so a long
 prompt still advances. A lone prompt takes the whole token budget.
@@ -213,9 +214,10 @@ class Scheduler:
 
     def _time_share(self) -> float | None:
         """Seconds of this step each row with prompt left may spend on its chunk: the
-        step target, less the overhead and the decodes' cost, over those rows (the
-        running ones and the waiting ones that may be admitted). None: no bound (no
-        target, nothing measured yet, no chunking, or one request alone)."""
+        step target, less the overhead and the decodes' cost (but at least half the
+        target: a machine whose overhead alone passes it still makes progress), over
+        those rows (the running ones and the waiting ones that may be admitted). None:
+        no bound (no target, nothing measured yet, no chunking, or one request alone)."""
         target = self.config.step_target_s
         if not (target and self.cost.fitted and self.config.enable_chunked_prefill):
             return None
@@ -228,7 +230,7 @@ class Scheduler:
                 prefills += 1
             else:
                 left -= self.cost.span_seconds(r.num_computed_tokens, r.num_tokens)
-        return max(left, 0.0) / max(prefills, 1)
+        return max(left, target / 2) / max(prefills, 1)
 
     def _chunk(self, req: Request, remaining: int, budget: int, start: int, share: float | None) -> int:
         """Tokens to compute this step: all that remain if they fit the budget (and the

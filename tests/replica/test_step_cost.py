@@ -139,6 +139,15 @@ def test_a_deep_chunk_still_advances_one_block():
     assert [r.num_new for r in step(sched).rows] == [BS, 5]
 
 
+def test_an_overhead_past_the_target_still_leaves_the_prefills_half_of_it():
+    sched = make_sched(target=0.01)  # the 20 ms overhead alone passes it
+    long = make_req(6500)
+    sched.add(long)
+    step(sched)
+    sched.add(make_req(5, base=25_000))
+    assert [r.num_new for r in step(sched).rows] == [max(sched.cost.tokens_within(0.01 / 2 / 2, 2048), BS) // BS * BS, 5]
+
+
 def test_no_target_or_no_measurement_leaves_the_token_budget():
     for sched in (make_sched(target=None), make_sched()):
         if sched.config.step_target_s:
