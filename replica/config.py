@@ -33,7 +33,7 @@ class EngineConfig:
     are cut so a step takes about this long at the engine's measured step cost (a
     decode batched with a long prompt waits one step per token; ARCHITECTURE.md §4);
     an emulated engine's target is scaled by ``time_scale`` like its steps. A lone
-    prompt still takes ``max_num_batched_tokens`` per step. None: tokens only.
+    prompt's chunk may take four targets (``scheduler.LONE_STEPS``). None: tokens only.
     """
 
     model: str = "smollm2-135m-instruct"

@@ -12,7 +12,8 @@ or waiting, ``step_target_s`` (less the step overhead and the decodes, down to h
 it) is shared evenly
 by the rows with prompt left to compute, and each prefill chunk is cut to what its share
 buys at the measured cost (``replica/step_cost.py``), one block at least, so a long
-prompt still advances. A lone prompt takes the whole token budget.
+prompt still advances. A lone prompt's chunk may take ``LONE_STEPS`` targets: a request
+arriving meanwhile joins only at the next step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from kvroute.replica.kv_cache_manager import CopyPlan, HostHit, KVCacheManager
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request, RequestStatus
 from kvroute.replica.step_cost import StepCostModel, attention_pairs
+
+LONE_STEPS = 4  # a lone prompt's chunk: up to this many step targets (bigger chunks, fewer steps)
 
 
 @dataclass(frozen=True)
@@ -216,13 +219,14 @@ class Scheduler:
         """Seconds of this step each row with prompt left may spend on its chunk: the
         step target, less the overhead and the decodes' cost (but at least half the
         target: a machine whose overhead alone passes it still makes progress), over
-        those rows (the running ones and the waiting ones that may be admitted). None:
-        no bound (no target, nothing measured yet, no chunking, or one request alone)."""
+        those rows (the running ones and the waiting ones that may be admitted); a lone
+        request's chunk gets ``LONE_STEPS`` targets. None: no bound (no target, nothing
+        measured yet, or no chunking)."""
         target = self.config.step_target_s
         if not (target and self.cost.fitted and self.config.enable_chunked_prefill):
             return None
         if len(self.running) + len(self.waiting) < 2:
-            return None
+            return LONE_STEPS * target  # a request arriving meanwhile waits this long at most
         left = target - self.cost.overhead_s
         prefills = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running), 0))
         for r in self.running:

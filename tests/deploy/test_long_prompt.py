@@ -2,7 +2,7 @@
 (2 emulated CPU replicas: every step sleeps the ``cpu_measured`` profile's time for
 what it computes, so a 6k-token prefill takes about 10 s without burning the CI's
 cores), one long prompt per replica, then short requests alongside them. A request
-joins at a step boundary, so it may wait one lone chunk (1,024 tokens here, 1.7 s)."""
+joins at a step boundary, so it may wait one lone chunk (at most 1 s: 4 step targets)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 MODEL = "tiny-emulated"
-LONG_TOKENS = 6000  # 6 chunks of up to 1,024: about 10 s of emulated CPU prefill
+LONG_TOKENS = 6000  # about 10 s of emulated CPU prefill
 
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, tiny_llama_path):
     name = "kvlong"
-    engine = {"emulate": "cpu_measured", "block_size": 16, "num_kv_blocks": 1024, "max_model_len": 8192,
-              "max_num_batched_tokens": 1024}  # fmt: skip
+    engine = {"emulate": "cpu_measured", "block_size": 16, "num_kv_blocks": 1024, "max_model_len": 8192}
     args = {
         "app_name": name,
         "llm_configs": [{

@@ -99,17 +99,23 @@ def step(sched):
     return out
 
 
-def test_a_lone_long_prompt_takes_the_whole_token_budget():
+def test_a_lone_long_prompt_takes_four_step_targets():
     sched = make_sched()
     sched.add(make_req(6500))
-    assert [r.num_new for r in step(sched).rows] == [2048]
+    assert [r.num_new for r in step(sched).rows] == [sched.cost.tokens_within(4 * 0.25, 0) // BS * BS]
+    fast = make_sched()
+    fast.cost = StepCostModel()
+    fast.cost.observe(2048, attention_pairs(0, 2048), 0.06)  # a GPU: 2,048 tokens in 60 ms
+    fast.add(make_req(6500))
+    assert [r.num_new for r in step(fast).rows] == [2048]  # the token budget binds first
 
 
 def test_short_requests_beside_a_long_prefill_bound_the_step_time():
     sched = make_sched()
     long = make_req(6500)
     sched.add(long)
-    step(sched)  # alone: 2048 tokens
+    step(sched)  # alone: four targets' worth
+    start = long.num_computed_tokens
     shorts = [make_req(5, base=10_000 + 100 * i) for i in range(3)]
     for r in shorts:
         sched.add(r)
@@ -119,13 +125,13 @@ def test_short_requests_beside_a_long_prefill_bound_the_step_time():
     chunk = rows[long.request_id].num_new
     # the step's time shared by four prefills: the long one gets a quarter of it, in whole blocks
     share = (0.25 - TRUE[0]) / 4
-    assert chunk == max(sched.cost.tokens_within(share, 2048), BS) // BS * BS
+    assert chunk == max(sched.cost.tokens_within(share, start), BS) // BS * BS
     predicted = sched.cost.seconds(out.num_tokens, out.attention_pairs)
     assert predicted <= 0.25
     out = step(sched)  # the shorts decode now: the long chunk takes what their decodes leave
     decode_s = sum(sched.cost.span_seconds(r.num_computed_tokens - 1, r.num_computed_tokens) for r in shorts)
     chunk = [r.num_new for r in out.rows if r.request is long][0]
-    assert chunk == max(sched.cost.tokens_within(0.25 - TRUE[0] - decode_s, 2048 + rows[long.request_id].num_new), BS) // BS * BS
+    assert chunk == max(sched.cost.tokens_within(0.25 - TRUE[0] - decode_s, start + rows[long.request_id].num_new), BS) // BS * BS
     assert chunk > rows[long.request_id].num_new  # alone with decodes, it gets more than a quarter
     assert sched.cost.seconds(out.num_tokens, out.attention_pairs) <= 0.25
 
@@ -145,7 +151,8 @@ def test_an_overhead_past_the_target_still_leaves_the_prefills_half_of_it():
     sched.add(long)
     step(sched)
     sched.add(make_req(5, base=25_000))
-    assert [r.num_new for r in step(sched).rows] == [max(sched.cost.tokens_within(0.01 / 2 / 2, 2048), BS) // BS * BS, 5]
+    start = long.num_computed_tokens
+    assert [r.num_new for r in step(sched).rows] == [max(sched.cost.tokens_within(0.01 / 2 / 2, start), BS) // BS * BS, 5]
 
 
 def test_no_target_or_no_measurement_leaves_the_token_budget():
@@ -165,12 +172,13 @@ def test_the_load_report_prices_the_queue_with_the_cost_model():
     long = make_req(6500)
     sched.add(long)
     step(sched)
+    start = long.num_computed_tokens
     sched.add(make_req(40, base=40_000))
     load = telemetry.load()
-    assert load.queued_prefill_tokens == 6500 - 2048 + 40
-    assert load.queued_prefill_s == pytest.approx(sched.cost.span_seconds(2048, 6500) + sched.cost.span_seconds(0, 40))
+    assert load.queued_prefill_tokens == 6500 - start + 40
+    assert load.queued_prefill_s == pytest.approx(sched.cost.span_seconds(start, 6500) + sched.cost.span_seconds(0, 40))
     # the tail of the long prompt costs more per token than its head did
-    assert sched.cost.span_seconds(2048, 6500) / (6500 - 2048) > sched.cost.span_seconds(0, 2048) / 2048
+    assert sched.cost.span_seconds(start, 6500) / (6500 - start) > sched.cost.span_seconds(0, start) / start
     # telemetry feeds each prefill step's duration to the model
     before = sched.cost.coef
     telemetry.observe_step(sched.schedule(), 10.0)
