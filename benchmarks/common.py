@@ -40,14 +40,20 @@ def write_result(name: str, result: dict[str, Any], summary: str, out: str | Non
 
 def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
     """The practical peak: the best GFLOP/s of one large matmul, as torch's ``a @ b`` or
-    as oneDNN with the weight prepacked (what the engine's CPU Linears run; on AMD CPUs
-    MKL's fp32 ``a @ b`` reaches only half of it)."""
+    as the engine's CPU Linears run it (``PackedLinear``: the weight prepacked for oneDNN,
+    in fp32 for bf16 where oneDNN cannot reorder bf16; on AMD CPUs MKL's fp32 ``a @ b``
+    reaches only half of it)."""
+    from kvroute.replica.models.decoder import PackedLinear
+
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     ways = [lambda: a @ b]
     if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        ways.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        with torch.device("meta"):
+            linear = torch.nn.Linear(n, n, bias=False)
+        linear.weight = torch.nn.Parameter(b, requires_grad=False)  # a @ b.T: the same FLOPs
+        packed = PackedLinear(linear)
+        ways.append(lambda: packed(a))
     best = float("inf")
     for way in ways:
         way()  # warm up

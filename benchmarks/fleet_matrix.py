@@ -171,7 +171,8 @@ def sim_columns(router: str, m: dict[str, Any]) -> dict[str, Any]:
     """The simulator's prediction ``m`` for ``router``, as the matrix's ``sim_*`` columns."""
     return {"sim_policy": SIM_POLICY[router], "sim_ttft_p90_ms": m["ttft_p90_s"] * 1000,
             "sim_ttft_p99_ms": m["ttft_p99_s"] * 1000, "sim_hit_rate": m["hit_rate"],
-            "sim_out_tok_s": m["output_tokens_per_s"]}  # fmt: skip
+            "sim_out_tok_s": m["output_tokens_per_s"], "sim_available_rate": m["reuse"]["available_share"],
+            "sim_captured_rate": m["reuse"]["captured_share"]}  # fmt: skip
 
 
 def sim_as_measured(router: str, rate: float, m: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +183,7 @@ def sim_as_measured(router: str, rate: float, m: dict[str, Any]) -> dict[str, An
         "hit_rate": m["hit_rate"], "ttft_median_ms": m["ttft_p50_s"] * 1000, "ttft_p90_ms": m["ttft_p90_s"] * 1000,
         "ttft_p99_ms": m["ttft_p99_s"] * 1000, "tpot_median_ms": math.nan, "out_tok_s": m["output_tokens_per_s"],
         "pred_cached_err": m["pred_cached_err"], "requests_per_replica": m["requests_per_replica"],
+        "available_rate": m["reuse"]["available_share"], "captured_rate": m["reuse"]["captured_share"],
     }  # fmt: skip
 
 
@@ -210,7 +212,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     cols = [("scenario", "scenario", "{}"), ("load", "load", "{:.2f}"), ("router", "router", "{}"), ("ok", "completed", "{}"),
-            ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
+            ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"),
+            ("capt", "captured_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
             ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("TPOT ms", "tpot_median_ms", "{:.1f}"),
             ("out tok/s", "out_tok_s", "{:.0f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}"),
             ("pred err", "pred_cached_err", "{:.3f}")]

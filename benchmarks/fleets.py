@@ -256,13 +256,13 @@ class ServeFleet:
     def close(self) -> None:
         from ray import serve
 
-        from kvroute.cluster.router_actor import kill_router_actor
+        from kvroute.cluster.router_actor import kill_router_actors
 
         try:
             if self.app_name in serve.status().applications:
                 serve.delete(self.app_name)
         finally:
-            kill_router_actor(f"kvroute-router:{self.app_name}")
+            kill_router_actors(self.app_name)
             self._kill_prefix_tree_actor()
 
 
@@ -312,8 +312,10 @@ _ROUTER_COUNTED = {"kvroute:router_fallbacks": "fallbacks", "kvroute:predicted_c
 
 
 def router_counters(base_url: str) -> dict[str, float]:
-    """The app's cumulative routing counters from ``/metrics``: the names above, and
-    ``decisions:<reason>`` for the router's decisions by reason."""
+    """The app's cumulative routing counters from ``/metrics``: the names above,
+    ``decisions:<reason>`` for the router's decisions by reason, ``reuse:<figure>`` for
+    the decision-quality figures (offered, available, captured, delivered) and
+    ``loss:<kind>[:<reason>]`` for their losses."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -324,6 +326,10 @@ def router_counters(base_url: str) -> dict[str, float]:
                 continue
             if fam.name == "kvroute:routing_decisions":
                 key = "decisions:" + sample.labels["reason"]
+            elif fam.name == "kvroute:reuse_tokens":
+                key = "reuse:" + sample.labels["figure"]
+            elif fam.name == "kvroute:reuse_loss_tokens":
+                key = ":".join(filter(None, ("loss", sample.labels["kind"], sample.labels["reason"])))
             elif fam.name in _ROUTER_COUNTED:
                 key = _ROUTER_COUNTED[fam.name]
             else:

@@ -10,16 +10,14 @@
    transformers' generate on a subset, for scale;
 4. with ``--restore``, only this: the host tier's restore of a 6k-token
    Llama-3-8B-shaped prefix against its recompute, and a step with an offload beside it;
-5. with ``--cost-model``, only this: the simulator's GPU cost model measured on a
-   Llama-3-8B-shaped model (bf16): decode steps over a grid of batch sizes and context
-   lengths and prefill steps of several sizes, fitted to
-   ``overhead + batch * per_seq + context_tokens * per_ctx_token`` and
-   ``prefill_tokens / rate`` (see replica/profiles.py).
+5. with ``--cost-model``, only this: the simulator's GPU cost model of each of
+   ``--shapes`` (bf16; ``benchmarks/gpu_cost_model.py``), saved as step profiles that the
+   simulator and the emulated engine load by name (``replica/step_profiles/``).
 
 Random checkpoints are saved to a temp dir (config + safetensors + a word-level fast
 tokenizer) and loaded through the engine's real loader.
 
-    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--restore | --cost-model] [--out FILE]
+    python -m kvroute.benchmarks.gpu_engine [--quick] [--skip-offline] [--restore | --cost-model [--shapes A,B] [--save-profiles DIR]] [--out FILE]
 """
 
 from __future__ import annotations
@@ -83,6 +81,15 @@ def random_checkpoint(shape: dict[str, Any], folder: Path, dtype: torch.dtype, d
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", pad_token="t2", unk_token="t3")
     fast.save_pretrained(str(folder))
+    return folder
+
+
+def shape_checkpoint(name: str, root: Path) -> Path:
+    """The random bf16 checkpoint of ``SHAPES[name]`` in ``root / name``, saved there on
+    first use (the tokenizer is written last, so its presence means complete)."""
+    folder = root / name
+    if not (folder / "tokenizer.json").exists():
+        random_checkpoint(SHAPES[name], folder, torch.bfloat16, "cuda")
     return folder
 
 
@@ -272,61 +279,6 @@ def bench_restore(folder: Path, device: torch.device, dtype: torch.dtype, prefix
                 prefill_with_offload_ms=t_step_offload * 1e3, restored_kv_exact=exact)  # fmt: skip
 
 
-def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
-    a = torch.tensor(rows, dtype=torch.float64)
-    return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-
-
-def bench_cost_model(folder: Path, quick: bool) -> dict[str, Any]:
-    """Step times of a Llama-3-8B-shaped model through the engine's ModelRunner (CUDA
-    graphs for decode, as the engine runs), fitted to the simulator's cost model."""
-    from kvroute.replica.cuda_graphs import default_graph_sizes
-    from kvroute.replica.model_runner import ModelRunner
-    from kvroute.replica.models.arch import ModelArch
-    from kvroute.replica.checkpoint import load_hf_config
-
-    arch = ModelArch.from_hf_config(load_hf_config(folder))
-    bs = 16
-    batches = [1, 16, 64] if quick else [1, 8, 16, 32, 64, 128]
-    contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
-    grid = [(b, c) for b in batches for c in contexts if b * c <= 128 * 2048]  # KV of at most 256k tokens (32 GiB)
-    max_rows = max(b * -(-(c + 1) // bs) for b, c in grid)
-    prefills = [512, 2048] if quick else [256, 512, 1024, 2048, 4096]
-    num_blocks = max(max_rows, -(-max(prefills) // bs)) + 16
-    t0 = time.perf_counter()
-    runner = ModelRunner(arch, folder, num_blocks, bs, torch.device("cuda"), torch.bfloat16, 8192, default_graph_sizes(max(batches)))
-    load_s = time.perf_counter() - t0
-    kv_per_token = kv_bytes_per_token(arch, 2)
-    iters = 5 if quick else 10
-    decode, prefill = [], []
-    for b, c in grid:
-        t = _time_steps(runner, _rows(b, c, 1, bs), iters)
-        decode.append(dict(batch=b, context=c, step_ms=t * 1e3))
-        print(f"8b decode b={b:3d} ctx={c:4d}: {t*1e3:.2f} ms")
-    for n in prefills:
-        t = _time_steps(runner, _rows(1, 0, n, bs), iters)
-        prefill.append(dict(tokens=n, step_ms=t * 1e3))
-        print(f"8b prefill {n:4d} tokens: {t*1e3:.2f} ms ({n/t:.0f} tok/s)")
-    overhead, per_seq, per_ctx = _least_squares([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode],
-                                                [d["step_ms"] / 1e3 for d in decode])  # fmt: skip
-    # Prefill: time = overhead + tokens / rate (one row, no decode), fitted with the
-    # decode fit's overhead held fixed so the two share one intercept.
-    rate = sum(d["tokens"] for d in prefill) / sum(max(d["step_ms"] / 1e3 - overhead, 1e-9) for d in prefill)
-    props = torch.cuda.get_device_properties(0)
-    free_after = torch.cuda.mem_get_info()[0]
-    weight_bytes = weight_bytes_of(runner.model)
-    # KV the card would hold with this model: 90% of its memory less the weights and 4 GiB
-    # of activations / graphs (what the engine's kv_cache_memory_gb default leaves).
-    kv_tokens = int((0.9 * props.total_memory - weight_bytes - 4 * 2**30) / kv_per_token)
-    fit = dict(overhead_s=overhead, decode_s_per_seq=per_seq, attn_s_per_ctx_token=per_ctx, prefill_tokens_per_s=rate,
-               kv_blocks_per_replica=kv_tokens // bs)  # fmt: skip
-    worst = max(abs(overhead + per_seq * d["batch"] + per_ctx * d["batch"] * d["context"] - d["step_ms"] / 1e3) / (d["step_ms"] / 1e3) for d in decode)
-    print(f"8b fit: overhead {overhead*1e3:.2f} ms, per seq {per_seq*1e6:.1f} us, per ctx token {per_ctx*1e9:.2f} ns, "
-          f"prefill {rate:.0f} tok/s, KV {kv_tokens} tokens; decode fit worst error {worst:.0%}")  # fmt: skip
-    return dict(device=props.name, load_s=load_s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
-                free_bytes_after=free_after, decode=decode, prefill=prefill, fit=fit, decode_fit_worst_rel_error=worst)  # fmt: skip
-
-
 def bench_offline(folder: Path, quick: bool, hf_requests: int) -> dict[str, Any]:
     from kvroute.replica.llm import LLM
     from kvroute.replica.sampling_params import SamplingParams
@@ -375,42 +327,46 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, iterations and requests")
     ap.add_argument("--skip-offline", action="store_true")
-    ap.add_argument("--cost-model", action="store_true", help="only measure the simulator's GPU cost model (Llama-3-8B shape)")
+    ap.add_argument("--cost-model", action="store_true", help="only measure the simulator's GPU cost model for --shapes")
+    ap.add_argument("--shapes", default="llama-3-8b", help=f"cost-model shapes, comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--restore-json", default=None, help="a gpu_restore result whose restore rate the profiles take")
+    ap.add_argument("--save-profiles", default=None, help="folder to write each cost model's profile JSON into")
     ap.add_argument("--restore", action="store_true",
                     help="only measure the host tier: a 6k-token Llama-3-8B-shaped prefix restored vs recomputed")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests run through transformers' generate")
+    ap.add_argument("--checkpoints", default=None, help="folder keeping the random checkpoints across runs (default: a temp dir)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kvroute.benchmarks.gpu_engine needs a CUDA GPU (torch.cuda.is_available() is False)")
+    with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
+        root = Path(args.checkpoints or tmp)
+        if args.restore:
+            restore_main(shape_checkpoint("llama-3-8b", root), args)
+        elif args.cost_model:
+            from kvroute.benchmarks.gpu_cost_model import run_cost_models
+
+            run_cost_models(args.shapes.split(","), root, args.quick, args.restore_json, args.save_profiles, args.out)
+        else:
+            engine_main(root, args)
+
+
+def restore_main(folder: Path, args: argparse.Namespace) -> None:
     from kvroute.benchmarks.common import write_result
 
-    result: dict[str, Any] = {}
-    if args.restore:
-        with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
-            folder = random_checkpoint(SHAPES["llama-3-8b"], Path(tmp) / "llama8b", torch.bfloat16, "cuda")
-            result = bench_restore(folder, torch.device("cuda"), torch.bfloat16, 6144, 5 if args.quick else 10)
-        r = result
-        summary = (f"6k-token Llama-3-8B prefix: restore {r['restore_ms']:.1f} ms ({r['restore_gb_per_s']:.1f} GB/s) "
-                   f"vs prefill {r['prefill_ms']:.1f} ms = {r['restore_over_prefill']:.2f}x; the prefill with an offload "
-                   f"beside it {r['prefill_with_offload_ms']:.1f} ms")  # fmt: skip
-        write_result("gpu_restore", result, summary, args.out)
-        return
-    if args.cost_model:
-        with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
-            result = bench_cost_model(random_checkpoint(SHAPES["llama-3-8b"], Path(tmp) / "llama8b", torch.bfloat16, "cuda"), args.quick)
-        f = result["fit"]
-        summary = (f"cost model ({result['device']}, Llama-3-8B shape): overhead {f['overhead_s']*1e3:.2f} ms, "
-                   f"{f['decode_s_per_seq']*1e6:.0f} us/seq, {f['attn_s_per_ctx_token']*1e9:.1f} ns/ctx token, "
-                   f"prefill {f['prefill_tokens_per_s']:.0f} tok/s")  # fmt: skip
-        write_result("gpu_cost_model", result, summary, args.out)
-        return
-    with tempfile.TemporaryDirectory(prefix="kvroute-gpu-bench-") as tmp:
-        llama = random_checkpoint(SHAPES["llama-3.2-1b"], Path(tmp) / "llama", torch.bfloat16, "cuda")
-        result["llama_3_2_1b"] = bench_llama(llama, args.quick)
-        if not args.skip_offline:
-            qwen = random_checkpoint(SHAPES["qwen3-0.6b"], Path(tmp) / "qwen3", torch.bfloat16, "cuda")
-            result["offline_qwen3_0_6b"] = bench_offline(qwen, args.quick, args.hf_requests)
+    r = bench_restore(folder, torch.device("cuda"), torch.bfloat16, 6144, 5 if args.quick else 10)
+    summary = (f"6k-token Llama-3-8B prefix: restore {r['restore_ms']:.1f} ms ({r['restore_gb_per_s']:.1f} GB/s) "
+               f"vs prefill {r['prefill_ms']:.1f} ms = {r['restore_over_prefill']:.2f}x; the prefill with an offload "
+               f"beside it {r['prefill_with_offload_ms']:.1f} ms")  # fmt: skip
+    write_result("gpu_restore", r, summary, args.out)
+
+
+def engine_main(root: Path, args: argparse.Namespace) -> None:
+    from kvroute.benchmarks.common import write_result
+
+    result: dict[str, Any] = {"llama_3_2_1b": bench_llama(shape_checkpoint("llama-3.2-1b", root), args.quick)}
+    if not args.skip_offline:
+        result["offline_qwen3_0_6b"] = bench_offline(shape_checkpoint("qwen3-0.6b", root), args.quick, args.hf_requests)
     dec = {d["batch"]: d for d in result["llama_3_2_1b"]["decode"]}
     parts = [f"decode b{b} {d['step_ms_graph']:.2f} ms ({d['roofline_fraction_graph']:.0%} of HBM roofline)" for b, d in dec.items()]
     if "offline_qwen3_0_6b" in result:

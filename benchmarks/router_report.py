@@ -27,13 +27,22 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "fallbacks": routing.get("fallbacks"),
             "pred_cached_err": (routing["cached_tokens_abs_error"] / max(r["total_input_tokens"], 1)
                                 if "cached_tokens_abs_error" in routing else None),
+            # decision quality (kvroute's /metrics): the reuse the directory saw available and the
+            # router captured, per offered token; peers have only delivered (hit) and best possible
+            "available_rate": _share(routing, "available"), "captured_rate": _share(routing, "captured"),
         })  # fmt: skip
     return rows
 
 
+def _share(routing: dict[str, float], figure: str) -> float | None:
+    offered = routing.get("reuse:offered")
+    return routing.get(f"reuse:{figure}", 0.0) / offered if offered else None
+
+
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     cols = [("router", "router", "{}"), ("rate", "rate", "{}"), ("ok", "completed", "{}"), ("err", "failed", "{}"),
-            ("hit", "hit_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
+            ("hit", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"),
+            ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
             ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
             ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
     return markdown_table(rows, cols)

@@ -41,7 +41,8 @@ class ClusterConfig:
     request_router: str = "kvroute"
     router_policy: str = "kvroute"
     router_policy_kwargs: dict[str, Any] = field(default_factory=dict)
-    router_timeout_s: float = 1.0  # a routing call slower than this falls back to power of two
+    router_timeout_s: float = 1.0  # a routing call slower than this goes to the next router, then power of two
+    num_routers: int = 1  # active router actors, each with the whole directory (ARCHITECTURE.md §3.3)
     heartbeat_s: float = 0.5  # a replica reports at least this often, even when idle
     replica_timeout_s: float = 10.0  # the router forgets a replica silent this long
     graceful_shutdown_timeout_s: float = 30.0
@@ -77,6 +78,8 @@ class ClusterConfig:
             raise ValueError(
                 f"replica_timeout_s={self.replica_timeout_s} must exceed two heartbeats (heartbeat_s={self.heartbeat_s})"
             )
+        if not isinstance(self.num_routers, int) or self.num_routers < 1:
+            raise ValueError(f"num_routers must be an integer >= 1, got {self.num_routers!r}")
         if self.max_resume_attempts < 0:
             raise ValueError(f"max_resume_attempts must be >= 0, got {self.max_resume_attempts}")
 
@@ -92,7 +95,12 @@ class ClusterConfig:
 
     @property
     def router_actor_name(self) -> str:
+        """The first router actor's name (the only one when ``num_routers`` is 1)."""
         return f"kvroute-router:{self.app_name}"
+
+    @property
+    def router_actor_names(self) -> list[str]:
+        return [self.router_actor_name] + [f"{self.router_actor_name}:{i}" for i in range(1, self.num_routers)]
 
     @property
     def torch_threads_per_replica(self) -> int:

@@ -56,6 +56,7 @@ class RouteTrace:
     expected_cached_tokens: int | None = None
     reason: str | None = None
     ticket: int = 0
+    available_tokens: int | None = None  # the longest prefix any candidate held (None: no prediction)
 
     def served(self, replica_id: str, resumed: bool = False) -> "RouteTrace":
         """This decision as it played out on ``replica_id``: a resumed request, or one
@@ -65,7 +66,7 @@ class RouteTrace:
             return RouteTrace(replica_id, None, "resumed", self.ticket)
         if self.replica_id is not None and self.replica_id != replica_id:
             return RouteTrace(replica_id, None, "next_ranked", self.ticket)
-        return RouteTrace(replica_id, self.expected_cached_tokens, self.reason, self.ticket)
+        return RouteTrace(replica_id, self.expected_cached_tokens, self.reason, self.ticket, self.available_tokens)
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,10 @@ class Ranking:
     expected_cached_tokens: int
     reason: str
     ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
+    available_tokens: int = 0  # RouteDecision.available_tokens
 
     def trace(self) -> RouteTrace:
-        return RouteTrace(self.replica_ids[0], self.expected_cached_tokens, self.reason, self.ticket)
+        return RouteTrace(self.replica_ids[0], self.expected_cached_tokens, self.reason, self.ticket, self.available_tokens)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 Tokens stream back through Serve's streaming responses (``generate`` is an async
 generator; callers use ``handle.options(stream=True)``). A caller that goes away cancels
-the generator, which aborts the request and frees its blocks. Alongside, a publisher
-task reports KV events + load to the router actor: at most one message in flight,
+the generator, which aborts the request and frees its blocks. Alongside, one publisher
+task per router actor reports KV events + load to it: at most one message in flight,
 every step finished meanwhile folded into the next, a heartbeat when idle, and a fresh
-registration with a snapshot of the cache whenever the router does not know this
+registration with a snapshot of the cache whenever that router does not know this
 replica (first start, router restart) or saw a gap.
 """
 
@@ -22,7 +22,7 @@ from ray.serve.config import RequestRouterConfig
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
-from kvroute.cluster.router_actor import get_or_create_router_actor
+from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.outputs import TokenDelta
@@ -50,6 +50,60 @@ async def model_engine(config: EngineConfig, torch_threads: int | None = None) -
     return AsyncEngine(await asyncio.to_thread(Engine, config))
 
 
+class _RouterLink:
+    """What one replica sends one router actor: its own ``EventPublisher`` (so each
+    router numbers this replica's batches on its own, and a router that restarts gets a
+    snapshot while the others go on), at most one message in flight, a heartbeat when
+    idle, and a fresh registration whenever that router does not know the replica or
+    saw a gap."""
+
+    def __init__(self, replica: "EngineReplica", actor: Any) -> None:
+        self.replica, self.actor = replica, actor
+        self.publisher = EventPublisher(replica.replica_id)
+        self.changed = asyncio.Event()
+        self.registered = False
+
+    def add(self, events: KVEvents) -> None:
+        self.publisher.add(events)
+        if self.publisher.has_changes:
+            self.changed.set()
+
+    async def register(self) -> None:
+        r, e = self.replica, self.replica.engine
+        hashes, host_hashes, load, seq = await e.cache_snapshot(self.publisher.snapshot_seq)
+        await self.actor.register.remote(r.replica_id, e.hash_spec, e.num_kv_blocks, hashes, seq, load,
+                                         e.num_host_kv_blocks, host_hashes)  # fmt: skip
+        self.registered = True
+        r.counters["registrations"] += 1
+
+    async def publish_loop(self) -> None:
+        r = self.replica
+        while not r.closing:
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=r.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass  # heartbeat: the router learns this replica is alive
+            self.changed.clear()
+            if r.closing:
+                return
+            try:
+                if not self.registered:
+                    await self.register()
+                    continue
+                ok = await self.actor.push.remote(self.publisher.take())
+                r.counters["pushes"] += 1
+                if not ok:  # unknown to the router (it restarted) or a gap: resend everything
+                    self.registered = False
+                    self.changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # router down or restarting: register again when it is back
+                self.registered = False
+                r.counters["push_failures"] += 1
+                log.info("replica %s: router unreachable (%r); retrying", r.replica_id, exc)
+                await asyncio.sleep(min(r.config.heartbeat_s, 0.2))
+
+
 class EngineReplica:
     """One Serve replica around one ``AsyncEngine``. ``engine_factory(engine_config)``
     builds the engine (default: ``model_engine``); tests and other engines pass their own."""
@@ -64,17 +118,15 @@ class EngineReplica:
             self.engine = await engine_factory(engine_config)
         if self.engine.hash_spec != config.hash_spec:
             raise ValueError(f"engine hash spec {self.engine.hash_spec} differs from the cluster's {config.hash_spec}")
-        self.publisher = EventPublisher(self.replica_id)
-        self.engine.add_event_listener(self._on_events)
-        self._changed = asyncio.Event()
-        self._closing = False
-        self._registered = False
-        self._router = get_or_create_router_actor(config)
+        self.closing = False
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
-        await self._register()  # traffic routed by the directory can come at once
+        self.links = [_RouterLink(self, actor) for actor in get_or_create_router_actors(config)]
+        self.engine.add_event_listener(self._on_events)
+        # traffic routed by the directory can come at once: every router knows this replica
+        await asyncio.gather(*(link.register() for link in self.links), return_exceptions=True)
         loop = asyncio.get_running_loop()
-        self._publisher_task = loop.create_task(self._publish_loop())
-        self._metrics_task = loop.create_task(self._metrics_loop())
+        self._tasks = [loop.create_task(link.publish_loop()) for link in self.links]
+        self._tasks.append(loop.create_task(self._metrics_loop()))
 
     # ------------------------------------------------------------------ serving
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -92,11 +144,12 @@ class EngineReplica:
         """This replica's exact cache and block state (for tests and operators)."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         state = await self.engine.debug_state()
-        return {"replica_id": self.replica_id, **state, "publisher_seq": self.publisher.seq, **self.counters}
+        seqs = [link.publisher.seq for link in self.links]
+        return {"replica_id": self.replica_id, **state, "publisher_seq": seqs[0], "publisher_seqs": seqs, **self.counters}
 
     async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
         """Forget every cached block (between benchmark runs, so each starts cold); only
-        possible while no request holds a block. The router learns it from the next
+        possible while no request holds a block. The routers learn it from the next
         snapshot or from the ``cleared`` flag of the next event batch."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         return {"replica_id": self.replica_id, "reset": await self.engine.reset_prefix_cache()}
@@ -106,68 +159,40 @@ class EngineReplica:
             raise RuntimeError(f"engine step loop died: {self.engine.failure!r}")
 
     async def __del__(self) -> None:
-        """Graceful shutdown (Serve calls this after draining): leave the directory."""
-        self._closing = True
-        self._changed.set()
-        try:
-            await asyncio.wait_for(self._router.remove_replica.remote(self.replica_id), timeout=2.0)
-        except Exception as exc:  # the router may be gone too; it expires silent replicas
-            log.warning("replica %s could not unregister from the router: %r", self.replica_id, exc)
+        """Graceful shutdown (Serve calls this after draining): leave the directories."""
+        self.closing = True
+        for link in self.links:
+            link.changed.set()
+        calls = [asyncio.wait_for(link.actor.remove_replica.remote(self.replica_id), timeout=2.0) for link in self.links]
+        for exc in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(exc, BaseException):  # a router may be gone too; it expires silent replicas
+                log.warning("replica %s could not unregister from a router: %r", self.replica_id, exc)
 
     # ------------------------------------------------------------------ events
     def _on_events(self, events: KVEvents) -> None:
-        self.publisher.add(events)
-        if self.publisher.has_changes:
-            self._changed.set()
-
-    async def _register(self) -> None:
-        e = self.engine
-        hashes, host_hashes, load, seq = await e.cache_snapshot(self.publisher.snapshot_seq)
-        await self._router.register.remote(self.replica_id, e.hash_spec, e.num_kv_blocks, hashes, seq, load,
-                                           e.num_host_kv_blocks, host_hashes)  # fmt: skip
-        self._registered = True
-        self.counters["registrations"] += 1
-
-    async def _publish_loop(self) -> None:
-        while not self._closing:
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=self.config.heartbeat_s)
-            except asyncio.TimeoutError:
-                pass  # heartbeat: the router learns this replica is alive
-            self._changed.clear()
-            if self._closing:
-                return
-            try:
-                if not self._registered:
-                    await self._register()
-                    continue
-                ok = await self._router.push.remote(self.publisher.take())
-                self.counters["pushes"] += 1
-                if not ok:  # unknown to the router (it restarted) or a gap: resend everything
-                    self._registered = False
-                    self._changed.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # router down or restarting: register again when it is back
-                self._registered = False
-                self.counters["push_failures"] += 1
-                log.info("replica %s: router unreachable (%r); retrying", self.replica_id, exc)
-                await asyncio.sleep(min(self.config.heartbeat_s, 0.2))
-
+        for link in self.links:
+            link.add(events)
 
     async def _metrics_loop(self) -> None:
         """Send this replica's metrics report (engine figures + latency histograms) to
-        the router actor about once a second, where the HTTP ingress reads them."""
+        every router actor about once a second, where the HTTP ingresses read them."""
         period = max(1.0, self.config.heartbeat_s)
-        while not self._closing:
+        while not self.closing:
             await asyncio.sleep(period)
             try:
                 report = await self.engine.metrics_report()
-                await self._router.report_metrics.remote(self.replica_id, report)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # router restarting: the next round retries
+            except Exception as exc:
                 log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
+                continue
+            for link in self.links:
+                try:
+                    await link.actor.report_metrics.remote(self.replica_id, report)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # router restarting: the next round retries
+                    log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
 
 
 def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
@@ -177,7 +202,7 @@ def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
         return RequestRouterConfig(
             request_router_class=KVRouteRequestRouter,
             request_router_kwargs={
-                "router_actor_name": config.router_actor_name,
+                "router_actor_names": config.router_actor_names,
                 "timeout_s": config.router_timeout_s,
             },
         )

@@ -1,22 +1,26 @@
-"""Ray Serve request router that asks the application's router actor for a ranking.
+"""Ray Serve request router that asks one of the application's router actors for a
+ranking.
 
 Runs inside every process that holds a handle to the replica deployment (the HTTP
 ingress, a benchmark job, a test driver). A thin Serve shell around ``Ranker``
-(``ranker.py``): for a ``GenerateRequest`` the ranker asks the router actor with the
+(``ranker.py``): for a ``GenerateRequest`` the ranker asks a router actor with the
 block hashes the caller computed and returns the replicas best first; Serve probes them
 in that order, so a replica at ``max_ongoing_requests`` is skipped for the next one.
-When the router actor cannot answer in time (not started yet, restarting, dead) this
-falls back to power of two choices, counts it, and logs it; requests never fail
-because of the router.
+Each process starts with its own router (by pid, so the ingresses spread over them);
+one that cannot answer in time (not started yet, restarting, dead) is skipped for
+``ROUTER_DOWN_S`` and the next router asked (a failover, counted). Only when no router
+answers does this fall back to power of two choices, count it, and log it; requests
+never fail because of the routers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import ray
 from ray.serve.request_router import (
@@ -34,10 +38,11 @@ log = logging.getLogger(__name__)
 
 _FALLBACK_LOG_EVERY_S = 10.0
 _MAX_REMEMBERED_RANKINGS = 10_000
+ROUTER_DOWN_S = 5.0  # a router that did not answer is skipped this long
 
 # Process-wide counts over every KVRouteRequestRouter in this process (Serve builds one
-# per handle): what the HTTP ingress exports as kvroute:router_fallbacks.
-PROCESS_STATS = {"ranked": 0, "fallbacks": 0}
+# per handle): what the HTTP ingress exports as kvroute:router_fallbacks / _failovers.
+PROCESS_STATS = {"ranked": 0, "fallbacks": 0, "failovers": 0}
 
 
 def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
@@ -53,10 +58,13 @@ class KVRouteRequestRouter(RequestRouter):
     """No FIFOMixin on purpose: with it Serve hands the replica chosen for one request
     to the oldest pending one, which would undo every per-request (prefix) decision."""
 
-    def initialize_state(self, router_actor_name: str = "", timeout_s: float = 1.0, **_: Any) -> None:
-        self._actor_name = router_actor_name
+    def initialize_state(self, router_actor_names: Sequence[str] = (), timeout_s: float = 1.0, **_: Any) -> None:
+        names = list(router_actor_names)
+        first = os.getpid() % max(len(names), 1)
+        self._names = names[first:] + names[:first]  # this process's order of preference
         self._timeout_s = timeout_s
-        self._actor: Optional[ray.actor.ActorHandle] = None
+        self._actors: dict[str, ray.actor.ActorHandle] = {}
+        self._down_until: dict[str, float] = {}
         self._ranker = Ranker(self._rank, self._note_fallback, _MAX_REMEMBERED_RANKINGS)
         self.stats = self._ranker.stats
         self._last_fallback_log = float("-inf")
@@ -108,18 +116,37 @@ class KVRouteRequestRouter(RequestRouter):
         return [[by_id[rid]] for rid in order]
 
     async def _rank(self, request: GenerateRequest, candidates: list[str]) -> Ranking:
-        if self._actor is None:
-            self._actor = await asyncio.wait_for(
-                asyncio.to_thread(ray.get_actor, self._actor_name, namespace=ROUTER_NAMESPACE), self._timeout_s
+        """The first router up (in this process's order) that answers in time."""
+        now = time.monotonic()
+        names = [n for n in self._names if self._down_until.get(n, 0.0) <= now] or self._names
+        error: BaseException = RuntimeError("no router actor configured")
+        for i, name in enumerate(names):
+            try:
+                ranking = await self._ask(name, request, candidates)
+            except Exception as exc:
+                error = exc
+                self._actors.pop(name, None)
+                self._down_until[name] = time.monotonic() + ROUTER_DOWN_S
+                if i + 1 < len(names):
+                    PROCESS_STATS["failovers"] += 1
+                continue
+            self._down_until.pop(name, None)
+            PROCESS_STATS["ranked"] += 1
+            return ranking
+        raise error
+
+    async def _ask(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
+        actor = self._actors.get(name)
+        if actor is None:
+            actor = self._actors[name] = await asyncio.wait_for(
+                asyncio.to_thread(ray.get_actor, name, namespace=ROUTER_NAMESPACE), self._timeout_s
             )
-        ref = self._actor.rank.remote(request.block_hashes, request.num_tokens, candidates)
+        ref = actor.rank.remote(request.block_hashes, request.num_tokens, candidates)
         try:
-            ranking = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
         except asyncio.TimeoutError:
             ray.cancel(ref)
             raise
-        PROCESS_STATS["ranked"] += 1
-        return ranking
 
     def _power_of_two(self, candidates: List[RunningReplica]) -> List[List[RunningReplica]]:
         # Serve probes both and takes the shorter queue.
@@ -127,8 +154,6 @@ class KVRouteRequestRouter(RequestRouter):
 
     def _note_fallback(self, exc: BaseException) -> None:
         PROCESS_STATS["fallbacks"] += 1
-        if isinstance(exc, ValueError):  # ray.get_actor: no such actor (yet)
-            self._actor = None
         if self._fallback_counter is not None:
             try:
                 self._fallback_counter.inc()
@@ -138,9 +163,9 @@ class KVRouteRequestRouter(RequestRouter):
         if now - self._last_fallback_log >= _FALLBACK_LOG_EVERY_S:
             self._last_fallback_log = now
             log.warning(
-                "kvroute router actor %r unavailable (%r): routing by power of two choices "
+                "kvroute router actors %r unavailable (%r): routing by power of two choices "
                 "(%d fallbacks so far)",
-                self._actor_name,
+                self._names,
                 exc,
                 self.stats["fallbacks"],
             )
@@ -161,10 +186,10 @@ class KVRouteRequestRouter(RequestRouter):
             self._forget(uid)
 
     def _forget(self, replica_unique_id: str) -> None:
-        """Drop a dead or removed replica from the directory at once (fire and forget:
-        this hook is synchronous; the router also expires silent replicas itself)."""
-        if self._actor is not None:
+        """Drop a dead or removed replica from every router's directory at once (fire and
+        forget: this hook is synchronous; routers also expire silent replicas)."""
+        for actor in list(self._actors.values()):
             try:
-                self._actor.remove_replica.remote(replica_unique_id)
+                actor.remove_replica.remote(replica_unique_id)
             except Exception:
                 pass

@@ -1,4 +1,5 @@
-"""The router actor: one named Ray actor per application around a plain ``Router``.
+"""The router actors: ``ClusterConfig.num_routers`` named Ray actors per application,
+each around a plain ``Router`` with the whole directory.
 
 ``RouterService`` holds the state and is what tests build without Ray; ``RouterActor``
 is it as a Ray actor (``max_restarts=-1``: a killed router comes back empty and is
@@ -6,14 +7,21 @@ refilled by the replicas' snapshots, since every replica reports at least once p
 heartbeat and re-registers when the router does not know it).
 
 Replicas ``register`` (with their HashSpec: a mismatch is refused) and then ``push``
-coalesced KV events; the Serve request router calls ``rank`` per request.
+coalesced KV events to every router; a Serve request router calls ``rank`` on one
+router per request. Each router hands its decisions to the others (``share``: batched,
+at most ``PEER_FLUSH_S`` after the decision or with the next call), which apply them
+as their own (``note_peer_decisions``: pending blocks and load increments under the
+decision's ticket), so N routers place like one; ``stats()["peer_staleness_ms"]`` is
+how old a peer's decision was when it arrived.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import ray
@@ -28,6 +36,10 @@ from kvroute.cluster.messages import ROUTER_NAMESPACE, Ranking
 
 log = logging.getLogger(__name__)
 
+PEER_FLUSH_S = 0.002  # a router sends its peers its decisions at least this often while it decides
+# One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time.
+PeerDecision = tuple[str, Sequence[BlockHash], int, int, float]
+
 
 class RouterService:
     def __init__(
@@ -37,6 +49,7 @@ class RouterService:
         policy_kwargs: dict[str, Any] | None = None,
         replica_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        share: Callable[[list[PeerDecision]], None] | None = None,
     ) -> None:
         self.hash_spec = hash_spec
         self.policy, self.policy_kwargs = policy, dict(policy_kwargs or {})
@@ -48,6 +61,10 @@ class RouterService:
         self.started_at = clock()
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
         self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
+        self._share = share
+        self._outbox: list[PeerDecision] = []
+        self._last_share = 0.0
+        self._staleness_s: deque[float] = deque(maxlen=2048)  # age of the peers' decisions on arrival
 
     def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
         """Start over with an empty directory (and optionally another policy): every
@@ -88,6 +105,7 @@ class RouterService:
     def push(self, batch: KVEvents) -> bool:
         """Apply one coalesced batch. False: the router does not know this replica or
         saw a gap in its ``seq``; the replica must ``register`` again with a snapshot."""
+        self._flush_peers(force=True)
         rid = batch.replica_id
         if rid not in self.router.directory:
             return False
@@ -126,10 +144,38 @@ class RouterService:
             self.counters["unregistered_routes"] += 1
             return Ranking(unknown, 0, "unregistered")
         decision = self.router.route(block_hashes, num_tokens, known)
+        if self._share is not None:
+            self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time()))
+            self._flush_peers()
         rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
         return Ranking(
-            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket
+            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket,
+            decision.available_tokens,
         )
+
+    # ------------------------------------------------------------------ peers
+    def _flush_peers(self, force: bool = False) -> None:
+        if not self._outbox:
+            return
+        now = self.clock()
+        if force or now - self._last_share >= PEER_FLUSH_S or len(self._outbox) >= 64:
+            batch, self._outbox, self._last_share = self._outbox, [], now
+            self._share(batch)  # type: ignore[misc]
+
+    def note_peer_decisions(self, batch: list[PeerDecision]) -> int:
+        """Apply another router's decisions; returns how many named a known replica."""
+        self._flush_peers()
+        now, applied = time.time(), 0
+        for replica_id, hashes, num_tokens, ticket, sent in batch:
+            applied += self.router.note_routed(replica_id, hashes, num_tokens, ticket)
+            self._staleness_s.append(max(now - sent, 0.0))
+        return applied
+
+    def _staleness(self) -> dict[str, float]:
+        ages = sorted(self._staleness_s)
+        if not ages:
+            return {}
+        return {"p50": 1e3 * statistics.median(ages), "p99": 1e3 * ages[min(len(ages) - 1, int(0.99 * len(ages)))]}
 
     # ------------------------------------------------------------------ introspection
     def replicas(self) -> list[str]:
@@ -143,6 +189,7 @@ class RouterService:
         return {
             **self.router.stats(),
             **self.counters,
+            "peer_staleness_ms": self._staleness(),
             "uptime_s": self.clock() - self.started_at,
             "process": process_figures(),
         }
@@ -162,15 +209,51 @@ class RouterService:
         return {"replicas": dict(self._metrics), "router": self.stats()}
 
 
-RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)
+class _PeeredRouterService(RouterService):
+    """A RouterService whose decisions go to the application's other router actors."""
+
+    def __init__(self, config: ClusterConfig, name: str) -> None:
+        peers = [n for n in config.router_actor_names if n != name]
+        super().__init__(config.hash_spec, config.router_policy, config.router_policy_kwargs, config.replica_timeout_s,
+                         share=self._send if peers else None)  # fmt: skip
+        self._peer_names = peers
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+
+    def _send(self, batch: list[PeerDecision]) -> None:
+        for name in self._peer_names:
+            try:
+                handle = self._handles.get(name) or ray.get_actor(name, namespace=ROUTER_NAMESPACE)
+                self._handles[name] = handle
+                handle.note_peer_decisions.remote(batch)  # fire and forget
+            except Exception:  # a peer not started yet: it will learn from the replicas' reports
+                self._handles.pop(name, None)
+
+
+RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)  # a lone router (benchmarks)
+PeeredRouterActor = ray.remote(num_cpus=0, max_restarts=-1)(_PeeredRouterService)
+
+
+def get_or_create_router_actors(config: ClusterConfig) -> list[ray.actor.ActorHandle]:
+    """The application's router actors, created on first use (detached: their life is
+    the application's, not the caller's; ``kill_router_actor`` ends one)."""
+    return [
+        PeeredRouterActor.options(name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True)
+        .remote(config, name)
+        for name in config.router_actor_names
+    ]
 
 
 def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:
-    """The application's router actor, created on first use (detached: its life is the
-    application's, not the caller's; ``kill_router_actor`` ends it)."""
-    return RouterActor.options(
-        name=config.router_actor_name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
-    ).remote(config.hash_spec, config.router_policy, config.router_policy_kwargs, config.replica_timeout_s)
+    """The application's first router actor (creating all of them)."""
+    return get_or_create_router_actors(config)[0]
+
+
+def kill_router_actors(app_name: str) -> int:
+    """Kill every router actor of application ``app_name``; how many there were."""
+    base = ClusterConfig(app_name=app_name).router_actor_name
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == ROUTER_NAMESPACE and (a["name"] == base or a["name"].startswith(base + ":"))]  # fmt: skip
+    return sum(kill_router_actor(n) for n in names)
 
 
 def kill_router_actor(name: str) -> bool:

@@ -85,6 +85,7 @@ class LLMConfig(_Strict):
     deployment_config: DeploymentSpec = Field(default_factory=DeploymentSpec)
     router_policy: str = "kvroute"
     router_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_routers: int = Field(default=1, ge=1)
     torch_threads: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("engine_kwargs")
@@ -136,6 +137,7 @@ class AppArgs(_Strict):
             request_router=_REQUEST_ROUTERS[dep.request_router_config.request_router_class],
             router_policy=llm.router_policy,
             router_policy_kwargs=llm.router_policy_kwargs,
+            num_routers=llm.num_routers,
             graceful_shutdown_timeout_s=dep.graceful_shutdown_timeout_s,
         )
         return config if "hash_seed" in llm.engine_kwargs else config.with_random_hash_seed()
@@ -168,9 +170,9 @@ def router_choice(name: str) -> dict[str, Any]:
 class ClusterBackend:
     """The ``Backend`` of the Serve ingress: the failover client over the replicas."""
 
-    def __init__(self, client: KVRouteClient, router_actor: Any) -> None:
+    def __init__(self, client: KVRouteClient, router_actors: list[Any]) -> None:
         self.client = client
-        self.router_actor = router_actor
+        self.router_actors = router_actors
 
     async def generate(
         self,
@@ -196,10 +198,14 @@ class ClusterBackend:
             await gen.aclose()
 
     async def ready(self) -> bool:
-        try:
-            return bool(await asyncio.wait_for(self.router_actor.replicas.remote(), 2.0))
-        except Exception:
-            return False
+        """True once a router (any: each has the whole directory) knows a replica."""
+        for actor in self.router_actors:
+            try:
+                if await asyncio.wait_for(actor.replicas.remote(), 2.0):
+                    return True
+            except Exception:
+                continue
+        return False
 
 
 # ---------------------------------------------------------------------- ingress
@@ -209,8 +215,8 @@ class OpenAIIngress:
     handle and shapes OpenAI responses; ``/metrics`` reads the router actor."""
 
     async def __init__(self, args: dict[str, Any], config: ClusterConfig, engine_handle: Any) -> None:
-        from kvroute.cluster.router_actor import get_or_create_router_actor
-        from kvroute.deploy.metrics import RoutingAccuracy
+        from kvroute.cluster.router_actor import get_or_create_router_actors
+        from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.serving import OpenAIServing
         from kvroute.replica.models.arch import ModelArch
         from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
@@ -223,14 +229,14 @@ class OpenAIIngress:
         arch = ModelArch.from_hf_config(load_hf_config(path, light))
         max_model_len = config.engine.context_length(arch.max_position_embeddings)
         self.config = config
-        self.router_actor = get_or_create_router_actor(config)
+        self.router_actors = get_or_create_router_actors(config)
         client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)
         name = llm.model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
         self.serving = OpenAIServing(
-            name, tokenizer, max_model_len, arch.vocab_size, ClusterBackend(client, self.router_actor), parsed.limits(), aliases
+            name, tokenizer, max_model_len, arch.vocab_size, ClusterBackend(client, self.router_actors), parsed.limits(), aliases
         )
-        self.accuracy = RoutingAccuracy()
+        self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -242,14 +248,17 @@ class OpenAIIngress:
         from kvroute.cluster.request_router import PROCESS_STATS
         from kvroute.deploy.metrics import CONTENT_TYPE, render
 
-        try:
-            snapshot = await asyncio.wait_for(self.router_actor.metrics.remote(), 5.0)
-        except Exception as exc:  # router restarting: export what this process knows
-            log.warning("router actor did not answer for /metrics: %r", exc)
-            snapshot = {"replicas": {}, "router": None}
-        body = render(
-            self.serving.model_name, snapshot["replicas"], snapshot["router"], self.accuracy, PROCESS_STATS["fallbacks"]
-        )
+        from kvroute.deploy.metrics import merge_router_stats
+
+        answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in self.router_actors),
+                                       return_exceptions=True)  # fmt: skip
+        snapshots = [a for a in answers if isinstance(a, dict)]
+        for exc in (a for a in answers if not isinstance(a, dict)):  # a router restarting
+            log.warning("a router actor did not answer for /metrics: %r", exc)
+        replicas = snapshots[0]["replicas"] if snapshots else {}
+        router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
+        body = render(self.serving.model_name, replicas, router, self.accuracy, PROCESS_STATS["fallbacks"],
+                      PROCESS_STATS["failovers"])  # fmt: skip
         return body, CONTENT_TYPE
 
 

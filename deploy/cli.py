@@ -123,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from kvroute.cluster.router_actor import kill_router_actor
+    from kvroute.cluster.router_actor import kill_router_actors
     from kvroute.deploy.app import build_app, parse_args, router_choice
 
     if args.replicas < 1:
@@ -143,6 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
                         "request_router_config": {"request_router_class": route["request_router_class"]},
                     },
                     "router_policy": route["router_policy"],
+                    "num_routers": args.num_routers,
                 }
             ],
             "ingress": {
@@ -177,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, signal.SIG_IGN)
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
-    kill_router_actor(f"kvroute-router:{args.app_name}")
+    kill_router_actors(args.app_name)
     serve.shutdown()
     ray.shutdown()
     return 0
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(s, port=8000)
     s.add_argument("--replicas", type=int, default=2)
     s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
+    s.add_argument("--num-routers", type=int, default=1,
+                   help="active router actors, each with the whole directory; ingresses fail over between them")
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")

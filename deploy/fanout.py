@@ -79,7 +79,7 @@ async def run_choices(
     token_lists: list[list[int]],
     params: list[SamplingParams],
     cache_salt: Optional[str],
-    on_finished: list[Callable[[RouteTrace, int], None]],
+    on_finished: list[Callable[[Choice], None]],
 ) -> Stream:
     """Every choice's deltas as they come, interleaved: choice ``p * n + i`` is prompt
     ``p`` sampled with ``params[i]``. Closing this iterator (the caller left) cancels
@@ -123,7 +123,7 @@ async def run_choices(
             choice.absorb(item)
             if item.finish_reason is not None:
                 for fn in on_finished:
-                    fn(choice.trace, choice.num_cached_tokens)
+                    fn(choice)
             yield choice, item
     finally:
         for t in tasks:

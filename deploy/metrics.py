@@ -2,18 +2,22 @@
 kvroute's own routing figures.
 
 Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the router's
-``stats()`` (when a router runs), and the ingress' own ``RoutingAccuracy``.
+``stats()`` (when a router runs), and the ingress' own ``DecisionQuality``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvroute.cluster.messages import RouteTrace
 from kvroute.replica.request_metrics import process_figures
+from kvroute.router.reuse import ReuseAccount
+
+if TYPE_CHECKING:
+    from kvroute.deploy.fanout import Choice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -37,37 +41,54 @@ _HISTOGRAMS = (
 )
 
 
-class RoutingAccuracy:
-    """Predicted vs actual cached tokens of the requests this ingress saw finish."""
+class DecisionQuality:
+    """Decision quality of the choices this ingress saw finish (``router/reuse.py``):
+    those that carried a router prediction go into ``reuse``; the others (fallback,
+    next ranked, resumed) are only counted, with their delivered tokens."""
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.predicted = 0
-        self.actual = 0
-        self.abs_error = 0
+        self.reuse = ReuseAccount()
+        self.unpredicted_requests = 0
+        self.unpredicted_delivered = 0
 
-    def on_finished(self, trace: RouteTrace, num_cached_tokens: int) -> None:
+    def on_finished(self, choice: "Choice") -> None:
+        trace, delivered = choice.trace, choice.num_cached_tokens
         if trace.expected_cached_tokens is None:
+            self.unpredicted_requests += 1
+            self.unpredicted_delivered += delivered
             return
-        self.requests += 1
-        self.predicted += trace.expected_cached_tokens
-        self.actual += num_cached_tokens
-        self.abs_error += abs(trace.expected_cached_tokens - num_cached_tokens)
+        self.reuse.add(choice.num_prompt_tokens, trace.available_tokens or 0, trace.expected_cached_tokens, delivered,
+                       trace.reason or "unknown")  # fmt: skip
+
+
+def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several router actors' ``stats()`` as one: decisions (each router counts its own)
+    summed, and each router's peer staleness kept under ``peer_staleness_ms_by_router``;
+    the rest (directory, replicas, in flight: every router holds all of it) from the
+    first."""
+    merged = dict(stats[0])
+    reasons: Counter[str] = Counter()
+    for s in stats:
+        reasons.update(s.get("decisions_by_reason", {}))
+    merged["decisions_by_reason"] = dict(reasons)
+    merged["peer_staleness_ms_by_router"] = [s.get("peer_staleness_ms") or {} for s in stats]
+    return merged
 
 
 def render(
     model_name: str,
     replicas: dict[str, dict[str, Any]],
     router: Optional[dict[str, Any]] = None,
-    accuracy: Optional[RoutingAccuracy] = None,
+    accuracy: Optional[DecisionQuality] = None,
     fallbacks: Optional[int] = None,
+    failovers: Optional[int] = None,
 ) -> bytes:
     """The Prometheus text exposition of everything given."""
 
     class _Collector:
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
-            yield from _router_families(model_name, router, accuracy, fallbacks)
+            yield from _router_families(model_name, router, accuracy, fallbacks, failovers)
             yield _process_family(model_name, replicas, router)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
@@ -111,7 +132,8 @@ def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> I
 
 
 def _router_families(
-    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[RoutingAccuracy], fallbacks: Optional[int]
+    model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[DecisionQuality], fallbacks: Optional[int],
+    failovers: Optional[int] = None,
 ) -> Iterable[Metric]:
     labels = ["model_name"]
     if router is not None:
@@ -136,20 +158,71 @@ def _router_families(
         for rid, count in sorted(router.get("in_flight_by_replica", {}).items()):
             g.add_metric([model_name, rid], float(count))
         yield g
+        yield _staleness_family(model_name, router.get("peer_staleness_ms_by_router", []))
     if fallbacks is not None:
         c = CounterMetricFamily("kvroute:router_fallbacks", "Requests routed without the router (power of two).", labels=labels)
         c.add_metric([model_name], float(fallbacks))
         yield c
+    if failovers is not None:
+        c = CounterMetricFamily("kvroute:router_failovers", "Requests ranked by another router after one did not answer.",
+                                labels=labels)  # fmt: skip
+        c.add_metric([model_name], float(failovers))
+        yield c
     if accuracy is not None:
+        r = accuracy.reuse
         for name, value, doc in (
-            ("kvroute:predicted_cached_tokens", accuracy.predicted, "Cached prompt tokens the router expected."),
-            ("kvroute:actual_cached_tokens", accuracy.actual, "Cached prompt tokens the replicas reported."),
-            ("kvroute:cached_tokens_abs_error", accuracy.abs_error, "Sum of |expected - actual| cached tokens."),
-            ("kvroute:routed_requests", accuracy.requests, "Finished requests that carried a router prediction."),
+            ("kvroute:predicted_cached_tokens", r.captured, "Cached prompt tokens the router expected."),
+            ("kvroute:actual_cached_tokens", r.delivered, "Cached prompt tokens the replicas reported."),
+            ("kvroute:cached_tokens_abs_error", r.abs_error, "Sum of |expected - actual| cached tokens."),
+            ("kvroute:routed_requests", r.requests, "Finished requests that carried a router prediction."),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([model_name], float(value))
             yield c
+        yield from _reuse_families(model_name, accuracy)
+
+
+def _staleness_family(model_name: str, by_router: list[dict[str, float]]) -> Metric:
+    g = GaugeMetricFamily(
+        "kvroute:router_peer_staleness_seconds",
+        "Age of the other routers' decisions when they reached this router (median and 99th percentile of the latest).",
+        labels=["model_name", "router", "quantile"],
+    )
+    for i, ages in enumerate(by_router):
+        for q, key in (("0.5", "p50"), ("0.99", "p99")):
+            if key in ages:
+                g.add_metric([model_name, str(i), q], ages[key] / 1e3)
+    return g
+
+
+def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metric]:
+    q = quality.reuse
+    fam = CounterMetricFamily(
+        "kvroute:reuse_tokens",
+        "Prompt tokens of predicted requests: offered (the prompt), available (longest prefix any candidate held), "
+        "captured (the router expected on its choice), delivered (the replica's cached tokens).",
+        labels=["model_name", "figure"],
+    )
+    for figure, value in (("offered", q.offered), ("available", q.available), ("captured", q.captured), ("delivered", q.delivered)):
+        fam.add_metric([model_name, figure], float(value))
+    yield fam
+    loss = CounterMetricFamily(
+        "kvroute:reuse_loss_tokens",
+        "Prompt tokens not delivered from cache, by cause: cold (held nowhere), routing (held elsewhere; by the "
+        "decision's reason), stale (the chosen replica held less than expected).",
+        labels=["model_name", "kind", "reason"],
+    )
+    loss.add_metric([model_name, "cold", ""], float(q.cold))
+    for reason, value in sorted(q.routing.items()):
+        loss.add_metric([model_name, "routing", reason], float(value))
+    loss.add_metric([model_name, "stale", ""], float(q.stale))
+    yield loss
+    un = CounterMetricFamily(
+        "kvroute:unpredicted_requests", "Finished requests without a router prediction (fallback, next ranked, resumed).",
+        labels=["model_name"],
+    )
+    un.add_metric([model_name], float(quality.unpredicted_requests))
+    yield un
 
 
 def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]]) -> Metric:

@@ -68,7 +68,7 @@ class OpenAIServing:
         self.limits = limits
         self.created = int(time.time())
         self.text_of = responses.TokenText(tokenizer)
-        self.on_finished: list[Any] = []  # fn(choice_trace, num_cached_tokens) per finished choice
+        self.on_finished: list[Any] = []  # fn(choice) per finished choice (fanout.Choice)
 
     # ------------------------------------------------------------------ small APIs
     def models(self) -> dict[str, Any]:

@@ -14,9 +14,11 @@
  * Everything is accumulated in float32; bf16 inputs are widened on load (a bf16 is the
  * top half of a float32) and the output is rounded to nearest even.
  *
- * Built by kernels/cpu_kernels.py with -O3 -march=native -fopenmp and the value-safe parts
- * of -ffast-math (finite math, reassociation; 512-bit vectors preferred), so the inner
- * loops over head_dim and the page's exponentials vectorize. The running max starts at a
+ * Built by kernels/cpu_kernels.py with -O3 -fopenmp, the target kernels/cpu_capability.py
+ * gives (-march=native, or x86-64-v3/-v4/baseline when forced down; the widest vectors
+ * preferred) and the value-safe parts of -ffast-math (finite math, reassociation), so the
+ * inner loops over head_dim and the page's exponentials vectorize. Every AVX-512 block has
+ * a portable equivalent that any target compiles (AVX2 vectorizes the same loops). The running max starts at a
  * large negative finite value instead of -inf (finite math assumes no infinities); every
  * sequence has at least one position, so it is always replaced.
  *

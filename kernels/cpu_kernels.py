@@ -4,7 +4,10 @@ step at install time; compiling takes about a second).
 
 Each wrapper returns False/None when the native kernel does not apply (no compiler or a
 failed build, logged once; a dtype, layout or size it does not cover), and the caller
-uses the torch reference. ``KVROUTE_NATIVE=0`` turns the native kernels off.
+uses the torch reference. ``KVROUTE_NATIVE=0`` turns the native kernels off. The
+compiler targets what ``cpu_capability`` says (``-march=native``, or a lower level when
+``KVROUTE_CPU_CAPABILITY`` forces one); each target is built and cached on its own. Both
+variables are read once, on first use; ``reset`` reads them again.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ from pathlib import Path
 
 import torch
 
+from kvroute.kernels import cpu_capability
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Not -ffast-math: linked into a shared library it sets flush-to-zero for the whole
 # process when loaded (crtfastmath.o), changing every other library's float results.
+# The target (-march, vector width) comes from cpu_capability.
 _FLAGS = [
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC",
+    "-O3", "-fopenmp", "-shared", "-fPIC",
     "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffinite-math-only",
 ]
 _FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
@@ -36,38 +42,44 @@ _PREFILL_FUNCS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: 
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE, _MAX_HEADS = 16, 256, 256, 128  # the C file's limits
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
 def _cache_dir() -> Path:
     root = os.environ.get("KVROUTE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvroute")
     return Path(root) / "kernels"
+
+
+def reset() -> None:
+    """Read ``KVROUTE_NATIVE`` and ``KVROUTE_CPU_CAPABILITY`` again (tests switch them);
+    a target built before is not built again."""
+    cpu_capability.current.cache_clear()
+    _library.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVROUTE_NATIVE", "1") == "0":
         return None
+    return _build(cpu_capability.current().compile_flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(target_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("kvroute: no C compiler found; CPU kernels use the torch path")
         return None
+    flags = [*_FLAGS, *target_flags]
+    cpu = " ".join(sorted(cpu_capability.machine_flags())) or platform.processor()  # -march=native is per CPU
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256(
-            "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode()
+            "\0".join([_SOURCE.read_text(), " ".join(flags), version, cpu]).encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"cpu_kernels-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=True)
+                subprocess.run([cc, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=True)
                 os.replace(built, target)  # atomic: concurrent builders each publish a whole file
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:

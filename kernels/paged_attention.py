@@ -325,11 +325,14 @@ def paged_attention_triton(
     scale: float,
     num_splits: int = 1,
     block_n: int | None = None,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as :func:`paged_attention_reference` (the step's K/V must already be
     in the cache). Uses only tensor shapes and ``meta.max_query_len`` on the host, so a
     decode launch can be captured in a CUDA graph. ``num_splits > 1`` is only allowed for
-    decode-only batches. Rows whose ``seq_len`` is 0 (padding) come out as zeros."""
+    decode-only batches. Rows whose ``seq_len`` is 0 (padding) come out as zeros.
+    ``launch``: Triton launch options of the attention kernel (``num_warps``,
+    ``num_stages``), for tuning sweeps."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, page, num_kv_heads, kv_dim = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
@@ -366,11 +369,11 @@ def paged_attention_triton(
     args = (query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             scale * 1.4426950408889634, num_seqs, num_heads)  # fmt: skip
     if num_splits == 1:
-        _paged_attention_kernel[(grid0, num_kv_heads, 1)](out, out, *args, *strides, **common)
+        _paged_attention_kernel[(grid0, num_kv_heads, 1)](out, out, *args, *strides, **common, **(launch or {}))
         return out
     parts = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
-    _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](parts, lse, *args, *strides, **common)
+    _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](parts, lse, *args, *strides, **common, **(launch or {}))
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, parts, lse, num_heads, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

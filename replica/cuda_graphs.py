@@ -1,9 +1,9 @@
 """CUDA graphs for decode-only steps: one graph per batch size, replayed on padded inputs.
 
 Every graph reads the same static input buffers (its first ``b`` rows). Before each
-replay :meth:`DecodeGraphs.load` rewrites *all* ``b`` rows of every buffer, the whole
-width of the block table included, so a replay never sees a previous step's block
-tables, slots or lengths. Padding rows get slot -1 (the KV store writes nothing) and
+replay :meth:`DecodeGraphs.load` rewrites *all* ``b`` rows of every buffer (the block
+tables up to the step's widest row; attention never reads a row's table past its
+length), so a replay never sees a previous step's block tables, slots or lengths. Padding rows get slot -1 (the KV store writes nothing) and
 seq_len 0 (attention reads nothing and returns zeros); their outputs are dropped.
 
 With ``capture=False`` the same padded buffers run eagerly: that is how CPU tests check
@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvroute.kernels.attention_metadata import AttentionMetadata
@@ -54,6 +55,10 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)  # [n, max_blocks]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1], one token each
+        # host staging for load(): every input of the largest batch, int64, pinned on CUDA
+        self._stage = torch.zeros(n * (4 + max_blocks_per_seq), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._stage_np = self._stage.numpy()
+        self._staged: torch.cuda.Event | None = None  # recorded after the last copy out of it
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -102,29 +107,38 @@ class DecodeGraphs:
         input_ids: Sequence[int],
         positions: Sequence[int],
         slots: Sequence[int],
-        block_tables: torch.Tensor,  # [n, width] int32 on the host, zero-padded rows
+        block_tables: np.ndarray,  # [n, width] int32, zero-padded rows
         seq_lens: Sequence[int],
     ) -> int:
         """Write a decode step's inputs (``n = len(input_ids)`` sequences, one new token
-        each) into the static buffers; returns the graph batch size to :meth:`replay`."""
+        each) into the static buffers; returns the graph batch size to :meth:`replay`.
+
+        Everything goes through one staging buffer (pinned on CUDA) and one host-to-device
+        copy; the block tables' columns past ``width`` keep a previous step's entries,
+        which no row reads (attention reads a row's table only below its length)."""
         n = len(input_ids)
         b = self.padded_size(n)
-        pad = b - n
-        # Built on the host in full, then copied over every row the graph reads.
-        ids = torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64)  # [b]
-        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.int64)  # [b]
-        slot = torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64)  # [b]
-        lens = torch.tensor(list(seq_lens) + [0] * pad, dtype=torch.int32)  # [b]
         width = block_tables.shape[1]
         assert block_tables.shape[0] == n and width <= self.max_blocks_per_seq, "block table wider than max_model_len"
-        tables = torch.zeros((b, self.max_blocks_per_seq), dtype=torch.int32)  # [b, max_blocks]
-        tables[:n, :width] = block_tables
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copy has read the staging buffer
+        head = self._stage_np[: 4 * b + b * width]
+        rows = head[: 4 * b].reshape(4, b)  # ids, positions, slots, seq_lens
+        rows[:, n:] = ((0,), (0,), (-1,), (0,))  # padding: no KV written, nothing attended
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slots, seq_lens
+        head[4 * b :].reshape(b, width)[:n] = block_tables
+        head[4 * b + n * width :] = 0
+        staged = self._stage[: head.size].to(self.device, non_blocking=True)  # [4b + b*width] int64
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        ids, pos, slot, lens = staged[: 4 * b].view(4, b)
         self.input_ids[:b].copy_(ids)
         self.positions[:b].copy_(pos)
         self.slot_mapping[:b].copy_(slot)
         self.seq_lens[:b].copy_(lens)
         self.context_lens[:b].copy_((lens - 1).clamp_(min=0))
-        self.block_tables[:b].copy_(tables)
+        self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
         return b
 
     def replay(self, b: int, n: int) -> torch.Tensor:  # [n, hidden]

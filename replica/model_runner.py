@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from kvroute.kernels import ops
+from kvroute.kernels import cpu_capability, ops
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.replica.cuda_graphs import DecodeGraphs
 from kvroute.replica.host_copies import HostCopies
@@ -33,15 +34,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 wherever the hardware multiplies it natively (CUDA; CPUs with AVX512-BF16
         # or AMX, where bf16 matmuls measured 4.6x fp32); fp32 elsewhere.
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+        native = device.type == "cuda" or cpu_capability.current().native_bf16_matmul
+        return torch.bfloat16 if native else torch.float32
     return _TORCH_DTYPES[name]
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -129,51 +124,31 @@ class ModelRunner:
         copies = self.host_copies if step.copies else None
         if copies is not None:
             copies.start(step.copies)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        ctx_lens: list[int] = []
-        logit_rows: list[int] = []
-        max_blocks = max(len(r.block_ids) for r in step.rows)
-        tables = torch.zeros((len(step.rows), max_blocks), dtype=torch.int32)  # [num_seqs, max_blocks]
-        for i, row in enumerate(step.rows):
-            start, end = row.num_computed, row.num_computed + row.num_new
-            input_ids.extend(row.request.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = row.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            qsl.append(qsl[-1] + row.num_new)
-            seq_lens.append(end)
-            ctx_lens.append(start)
-            if row.samples:
-                logit_rows.append(qsl[-1] - 1)
+        inputs = _StepInputs(step.rows, self.block_size)
         dev = self.device
         graphs = self.graphs
-        if graphs is not None and qsl[-1] == len(step.rows) <= graphs.max_batch:
-            b = graphs.load(input_ids, positions, slots, tables, seq_lens)
+        if graphs is not None and inputs.decode_only and len(step.rows) <= graphs.max_batch:
+            b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)
             if copies is not None:
                 copies.join()
-            return self._logits(graphs.replay(b, len(step.rows)), logit_rows)
+            return self._logits(graphs.replay(b, len(step.rows)), inputs.logit_rows)
+        qsl = inputs.query_start_loc
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(inputs.context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(inputs.tables).to(dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
             query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            context_lens_cpu=ctx_lens,
+            seq_lens_cpu=inputs.seq_lens,
+            context_lens_cpu=inputs.context_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=dev)
         if copies is not None:
             copies.join()
         hidden = self._forward(ids, pos, meta)  # [T, hidden]
-        return self._logits(hidden, logit_rows)
+        return self._logits(hidden, inputs.logit_rows)
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:  # [len(logit_rows), vocab]
         if not logit_rows:
@@ -181,3 +156,41 @@ class ModelRunner:
         if len(logit_rows) == hidden.shape[0]:  # decode: every row samples, in order
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+
+class _StepInputs:
+    """A step's forward inputs as host lists, built in one pass over its rows; block
+    tables as one zero-padded ``int32`` array (filled row by row: a tensor per row cost
+    ~12 us each, most of a batch-64 decode step's host time)."""
+
+    def __init__(self, rows: Sequence, block_size: int) -> None:
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_start_loc = [0]
+        self.seq_lens: list[int] = []
+        self.context_lens: list[int] = []
+        self.logit_rows: list[int] = []
+        self.tables = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
+        bs = block_size
+        for i, row in enumerate(rows):
+            start, end = row.num_computed, row.num_computed + row.num_new
+            table = row.block_ids
+            if end - start == 1:
+                self.input_ids.append(row.request.token_ids[start])
+                self.positions.append(start)
+                self.slots.append(table[start // bs] * bs + start % bs)
+            else:
+                self.input_ids.extend(row.request.token_ids[start:end])
+                self.positions.extend(range(start, end))
+                self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            self.tables[i, : len(table)] = table
+            self.query_start_loc.append(self.query_start_loc[-1] + end - start)
+            self.seq_lens.append(end)
+            self.context_lens.append(start)
+            if row.samples:
+                self.logit_rows.append(self.query_start_loc[-1] - 1)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.query_start_loc[-1] == len(self.seq_lens)

@@ -10,7 +10,9 @@ by name from ``PROFILES``.
 
 ``context_tokens`` is the KV the decode rows read (sum of their context lengths).
 
-Two calibrations:
+Two calibrations here, and the measured profiles of ``step_profiles/*.json`` (one per
+card and model shape, written by ``python -m kvroute.benchmarks.gpu_engine --cost-model
+--shapes ... --save-profiles DIR``; each file names its card, date and command):
 
 ``gpu_h100_llama3_8b`` (H100 80GB HBM3, Llama-3-8B shape, bf16): this repo's engine,
 measured with ``python -m kvroute.benchmarks.gpu_engine --cost-model`` on a lent H100 on
@@ -25,9 +27,10 @@ engine's CUDA graphs, 2 warm-up + 10 timed steps, medians):
     (2,048 tokens: 56.7 ms; 4,096: 115.7 ms).
   - KV capacity: 90% of 80 GiB less the weights and 4 GiB of activations, at 128 KiB per
     token: 428k tokens = 26,779 blocks of 16.
-  - host tier copies (not measured: the GPU issue's to measure): 50 GB/s host -> device,
-    what pinned-memory copies reach over PCIe Gen5 x16 (64 GB/s raw); 128 KiB per token,
-    so a 6k-token prefix restores in 16 ms against 155 ms of prefill.
+  - host tier copies: 50.3 GB/s host -> device, measured through the engine's restore
+    path (``gpu_engine --restore``: pinned host blocks -> staging -> scatter) on a lent
+    H200 on 2026-11-26, whose PCIe Gen5 x16 link the H100 machines share; 128 KiB per
+    token, so a 6k-token prefix restores in 16 ms against 155-190 ms of prefill.
   (The constants assumed before this measurement, from public figures: 6 ms, 100 us per
   sequence, 50 ns per context token, 15,000 prefill tokens/s, 26,800 blocks.)
 
@@ -42,7 +45,7 @@ attention term folded into the per-sequence cost (0).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -98,7 +101,7 @@ def gpu_h100_llama3_8b() -> StepProfile:
         attn_s_per_ctx_token=5.46e-8,
         kv_blocks_per_replica=26_779,
         kv_bytes_per_token=131_072,
-        host_copy_bytes_per_s=50e9,
+        host_copy_bytes_per_s=50.3e9,
         source="measured: this engine on an H100 80GB HBM3, Llama-3-8B shape (gpu_engine --cost-model, 2026-11-23); see cost_model.py",
     )
 
@@ -122,7 +125,25 @@ def cpu_measured(path: str | Path = "results/offline.json") -> StepProfile:
     )
 
 
-PROFILES: dict[str, Callable[[], StepProfile]] = {"gpu_h100_llama3_8b": gpu_h100_llama3_8b, "cpu_measured": cpu_measured}
+STEP_PROFILES = Path(__file__).with_name("step_profiles")
+
+
+def _saved(path: Path) -> Callable[[], StepProfile]:
+    """A profile that ``gpu_engine --cost-model`` saved (its card, date and command are
+    kept in the file beside the fields)."""
+
+    def load() -> StepProfile:
+        d = json.loads(path.read_text())
+        return StepProfile(**{f.name: d[f.name] for f in fields(StepProfile) if f.name in d})
+
+    return load
+
+
+PROFILES: dict[str, Callable[[], StepProfile]] = {
+    "gpu_h100_llama3_8b": gpu_h100_llama3_8b,
+    "cpu_measured": cpu_measured,
+    **{p.stem: _saved(p) for p in sorted(STEP_PROFILES.glob("*.json"))},
+}
 
 
 def get_profile(name: str) -> StepProfile:

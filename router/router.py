@@ -11,7 +11,8 @@ Nothing here is thread-safe: one caller (the router actor) drives it.
 Request path: ``route`` matches the request once: ``candidate_table`` gives the
 directory's depth and the load columns for every candidate in one object
 (``CandidateTable``), which rides on the ``RouteRequest`` to the policy and gives
-``route`` the chosen replica's matched blocks afterwards. Each
+``route`` the chosen replica's matched blocks afterwards. ``note_routed`` applies
+another router's decision (several active routers share their decisions). Each
 candidate list is resolved against the directory and the load view once
 (``_candidate_set``, kept by value until membership changes).
 """
@@ -87,6 +88,7 @@ class Router:
         self._reasons: Counter[str] = Counter()
         self._routed_to: Counter[str] = Counter()
         self._events_applied = 0
+        self._peer_decisions = 0
         self._events_gap = 0
         self._events_unknown = 0
         self._block_updates = 0
@@ -168,18 +170,38 @@ class Router:
             held = request.table.depth[cands.index(chosen)]  # type: ignore[union-attr]
         except ValueError:
             raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
-        cached = held * self.block_size
-        if cached >= num_tokens:
-            cached = max(num_tokens - 1, 0)
+        cached = self._cap(held, num_tokens)
+        decision.available_tokens = max(self._cap(request.table.longest(), num_tokens), decision.expected_cached_tokens)
         if held < len(block_hashes):
             self.directory.add_pending(chosen, block_hashes, start=held)
-        self._ticket = ticket = self._ticket + 1
+        # tickets follow the wall clock (microseconds), so several routers' tickets order
+        # like their decisions and a replica's highest accepted ticket covers them all
+        self._ticket = ticket = max(self._ticket + 1, time.time_ns() // 1000)
         decision.ticket = ticket
         self.loads.on_routed(chosen, num_tokens - cached, ticket)
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
         return decision
+
+    def note_routed(self, replica_id: str, block_hashes: Sequence[BlockHash], num_tokens: int, ticket: int) -> bool:
+        """Another router sent a request of ``num_tokens`` to ``replica_id``: record its
+        blocks as pending there and its load increment under its ticket, as ``route``
+        does for its own (policies' own state hears only of their own decisions).
+        False: unknown replica."""
+        if replica_id not in self.directory:
+            return False
+        held = self.directory.match(block_hashes, [replica_id]).get(ReplicaId(replica_id), 0)
+        if held < len(block_hashes):
+            self.directory.add_pending(replica_id, block_hashes, start=held)
+        self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket)
+        self._peer_decisions += 1
+        return True
+
+    def _cap(self, blocks: int, num_tokens: int) -> int:
+        """Cached tokens of ``blocks`` matched blocks (the last prompt token is always computed)."""
+        cached = blocks * self.block_size
+        return max(num_tokens - 1, 0) if cached >= num_tokens else cached
 
     # ------------------------------------------------------------------ ClusterView
     def prefix_match(self, block_hashes: Sequence[BlockHash], candidates: Sequence[str]) -> dict[ReplicaId, int]:
@@ -238,6 +260,7 @@ class Router:
             "directory_entries": self.directory.num_entries(),
             "pending_entries": self.directory.num_pending(),
             "decisions": sum(self._reasons.values()),
+            "peer_decisions": self._peer_decisions,
             "decisions_by_reason": dict(self._reasons),
             "decisions_by_replica": dict(self._routed_to),
             # requests routed to each replica that no report of it counts yet

@@ -41,12 +41,16 @@ class RouteDecision:
     "hot_prefix_replica", "round_robin", "no_candidates"). ``ticket``: set by the
     ``Router`` (policies leave it 0), unique and increasing across its decisions; the
     request carries it to the replica, whose load reports name the highest ticket they
-    count (``LoadFigures.route_ticket``)."""
+    count (``LoadFigures.route_ticket``). ``available_tokens``: set by the ``Router``,
+    the longest prefix of the request any candidate holds (either tier) as its
+    directory saw it at decision time, so ``available - expected`` is what the choice
+    gave up."""
 
     replica_id: ReplicaId
     expected_cached_tokens: int
     reason: str
     ticket: int = 0
+    available_tokens: int = 0
 
 
 def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:
@@ -130,6 +134,12 @@ class CandidateTable:
         self.room = room
         self.host_depth: Sequence[int] | None = None
         self.host_rate: Sequence[float] = ()
+
+    def longest(self) -> int:
+        """The most leading blocks any candidate holds, counting both tiers."""
+        if self.host_depth is None:
+            return max(self.depth, default=0)
+        return max((d + h for d, h in zip(self.depth, self.host_depth)), default=0)
 
     @classmethod
     def from_loads(

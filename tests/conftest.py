@@ -24,8 +24,9 @@ transformers meaningless; at 0.2 32 greedy tokens are varied for all three.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -145,6 +146,43 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer:
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
     )
+
+
+# How the CPU engine's key tests run (the fixture ``cpu_mode``): on the capability the run
+# started with (the machine's, unless KVROUTE_CPU_CAPABILITY is set outside), forced down
+# to AVX2 (no AVX-512: no oneDNN bf16 reorder, C kernels built for x86-64-v3,
+# dtype='auto' is fp32), and with the native C kernels off (torch references).
+CPU_MODES: dict[str, dict[str, str | None]] = {
+    "native": {},
+    "avx2": {"KVROUTE_CPU_CAPABILITY": "avx2"},
+    "no_native": {"KVROUTE_NATIVE": "0"},
+}
+
+
+@contextmanager
+def cpu_env(env: dict[str, str | None]) -> Iterator[None]:
+    """Sets (a value) or unsets (None) the CPU variables inside the block; the kernels
+    read them again on the way in and out. An engine must be built and run inside."""
+    from kvroute.kernels import cpu_kernels
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in env.items():
+                if value is None:
+                    mp.delenv(name, raising=False)
+                else:
+                    mp.setenv(name, value)
+            cpu_kernels.reset()
+            yield
+    finally:
+        cpu_kernels.reset()
+
+
+@pytest.fixture(params=list(CPU_MODES))
+def cpu_mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test once per CPU mode."""
+    with cpu_env(CPU_MODES[request.param]):
+        yield request.param
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:

@@ -2,7 +2,7 @@
 
     python -m kvroute.benchmarks.sim [--workloads generated-shared-prefix,b2b:len_scale=0.25,zipf]
         [--replicas 8] [--policies all] [--fractions 0.5,0.7,0.85,0.95 | --rates 10,20]
-        [--scale 1.0] [--len-scale 1.0] [--hardware gpu|cpu] [--seed 0] [--out results/sim]
+        [--scale 1.0] [--len-scale 1.0] [--hardware gpu|cpu|PROFILE] [--seed 0] [--out results/sim]
 
 For each workload: estimate the fleet's capacity from the cost model (see
 ``simulator.estimate_capacity``), then run every policy at each rate (fractions of
@@ -24,9 +24,10 @@ from typing import Any
 
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
-from kvroute.replica.profiles import StepProfile, cpu_measured, gpu_h100_llama3_8b
+from kvroute.replica.profiles import PROFILES, StepProfile, cpu_measured, gpu_h100_llama3_8b
 
-COST_MODELS = {"gpu": gpu_h100_llama3_8b, "cpu": cpu_measured}  # --hardware: the profiles the simulator offers
+# --hardware: "gpu" / "cpu" or any step profile by name (replica/profiles.PROFILES)
+COST_MODELS = {"gpu": gpu_h100_llama3_8b, "cpu": cpu_measured, **PROFILES}
 
 ALL_POLICIES = [
     "kvroute", "round_robin", "power_of_two", "cache_aware_sglang", "cache_aware_vllm", "prefix_affinity_ray",
@@ -197,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="explicit request rates (req/s), comma list; overrides --fractions")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of groups / requests / conversations")
     p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (and the KV capacity)")
-    p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (this engine measured on an H100, Llama-3-8B shape) or cpu (measured)")
+    p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (this engine measured on an H100, Llama-3-8B shape), cpu (measured), or a step profile's name")
     p.add_argument("--kv-blocks", type=int, default=0, help="per-replica KV blocks (default: from hardware / workload)")
     p.add_argument("--kv-fraction", type=float, default=0.0, help="size KV so shared prefixes fill this fraction of the fleet (b2b: 0.73)")
     p.add_argument("--host-kv-factor", type=float, default=0.0,

@@ -40,6 +40,7 @@ class SimRequest:
     expected_cached_tokens: int
     reason: str
     first_token_s: float | None = None
+    available_tokens: int = 0
     finish_s: float | None = None
 
 

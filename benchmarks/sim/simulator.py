@@ -33,6 +33,7 @@ from kvroute.benchmarks.workloads import RequestSpec, Workload
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
+from kvroute.router.reuse import ReuseAccount
 
 _ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL = 0, 1, 2, 3, 4
 
@@ -157,7 +158,7 @@ class Simulation:
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket
         sim = SimRequest(spec, req, self.now if arrival_s is None else arrival_s, rep.replica_id,
-                         decision.expected_cached_tokens, decision.reason, first_token_s)  # fmt: skip
+                         decision.expected_cached_tokens, decision.reason, first_token_s, decision.available_tokens)  # fmt: skip
         rep.add(sim)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         if not rep.busy:
@@ -217,6 +218,10 @@ class Simulation:
         err = [
             abs(s.expected_cached_tokens - max(s.request.num_cached_tokens, 0)) / s.spec.num_prompt_tokens for s in done
         ]
+        reuse = ReuseAccount()
+        for s in done:
+            reuse.add(s.spec.num_prompt_tokens, s.available_tokens, s.expected_cached_tokens,
+                      max(s.request.num_cached_tokens, 0), s.reason)  # fmt: skip
         leaked = sum(sum(1 for c in rep.block_ref_counts() if c) for rep in self.replicas.values())
         per_replica = {rid: 0 for rid in self.replicas}
         for s in done:
@@ -238,6 +243,7 @@ class Simulation:
             "makespan_s": end - start,
             "output_tokens_per_s": out_tokens / (end - start) if end > start else 0.0,
             "pred_cached_err": sum(err) / len(err) if err else 0.0,
+            "reuse": reuse.as_dict(),
             "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
             "snapshots": self.num_snapshots,
             "retried": self.num_retried,

@@ -53,6 +53,9 @@ def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_
             assert run["routing"].get("fallbacks", 0) == 0
     k = next(r for r in matrix["rows"] if r["router"] == "kvroute")
     assert 0 <= k["pred_cached_err"] < 0.2 and k["fallbacks"] == 0
+    # decision quality from kvroute's /metrics: the reuse available, captured, delivered (hit)
+    assert k["available_rate"] >= k["captured_rate"] > 0 and abs(k["captured_rate"] - k["hit_rate"]) < 0.2
+    assert all(r["available_rate"] is None for r in matrix["rows"] if r["router"] != "kvroute")
     t = matrix["targets"][0]
     assert t["scenario"] == "gsp" and t["errors"] == 0 and t["p90_over_best_peer"] > 0
     assert (out / "table.md").read_text().startswith("| scenario |")

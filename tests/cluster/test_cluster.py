@@ -285,6 +285,57 @@ def test_overload_is_a_prompt_error_and_the_rest_complete(ray_cluster, tiny_llam
     assert max(r[2] for r in rejected) < slowest_ok  # rejected before the admitted ones finish
 
 
+def test_two_active_routers_share_one_view_and_a_dead_one_fails_over(ray_cluster, tiny_llama_path):
+    """num_routers=2: both routers hold every replica and the exact directory; a
+    decision made by one reaches the other; killing the router this process asks first
+    mid-load fails no request and sends none to power of two (the other router ranks
+    every later one), and prefix routing goes on there."""
+    from kvroute.cluster.router_actor import kill_router_actors
+
+    name = "kvtest-routers"
+    config = _config(tiny_llama_path, app_name=name, num_routers=2).with_random_hash_seed()
+    serve.run(build_engine_deployment(config), name=name, route_prefix=None)
+    try:
+        routers = [ray.get_actor(n, namespace=ROUTER_NAMESPACE) for n in config.router_actor_names]
+        for r in routers:
+            wait_until(lambda r=r: len(ray.get(r.replicas.remote())) == 2, 30, "both replicas registered with each router")
+        client = _client(config)
+        asyncio.run(client.complete(PREFIX + [1], GREEDY))  # the prefix lives somewhere
+        for r in routers:
+            _settle(r, config)  # each router's directory is exact
+        decided = [ray.get(r.stats.remote()) for r in routers]
+        assert sum(s["decisions"] for s in decided) >= 1 and sum(s["peer_decisions"] for s in decided) >= 1
+        mine = next(i for i, s in enumerate(decided) if s["decisions"])  # the router this process asks first
+        other = routers[1 - mine]
+        before = ray.get(other.stats.remote())["decisions"]
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+        def dead() -> bool:
+            try:
+                ray.get(routers[mine].replicas.remote(), timeout=2)
+            except ray.exceptions.RayActorError:
+                return True
+            return False
+
+        async def load():
+            tasks = [asyncio.create_task(client.complete([6000 + i] * 30, params)) for i in range(6)]
+            await asyncio.sleep(0.2)
+            ray.kill(routers[mine], no_restart=True)
+            await asyncio.to_thread(wait_until, dead, 10, "the killed router to be dead")
+            more = [asyncio.create_task(client.complete([6100 + i] * 30, params)) for i in range(6)]
+            return await asyncio.gather(*tasks, *more)
+
+        outs = asyncio.run(load())
+        assert all(o[-1].finish_reason == "length" and len(_tokens(o)) == 30 for o in outs)
+        # every request sent after the kill was ranked by the other router (none by power of two)
+        assert ray.get(other.stats.remote())["decisions"] >= before + 6
+        out = asyncio.run(client.complete(PREFIX + [2], GREEDY))
+        assert out[-1].num_cached_tokens == len(PREFIX)  # the surviving router routes by prefix
+    finally:
+        serve.delete(name)
+        kill_router_actors(name)
+
+
 def test_scaling_up_registers_and_down_drains_and_purges(app, tiny_llama_path):
     config, router = app
     client = _client(config)

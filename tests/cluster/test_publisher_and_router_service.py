@@ -105,3 +105,29 @@ def test_silent_replicas_expire_and_removal_is_idempotent():
     svc.rank([], 1, ["a", "b"])
     assert svc.replicas() == ["b"] and svc.counters["expired_replicas"] == 1
     assert svc.remove_replica("b") is True and svc.remove_replica("b") is False
+
+
+def test_routers_share_their_decisions_so_two_place_like_one():
+    """Router A's decisions reach router B (batched: at the next flush, forced by any
+    push): B then sees A's new prefix pending on A's choice and counts it in flight there,
+    so a request sharing the prefix goes to the same replica from either router; the
+    age of what arrived is kept."""
+    clock = [0.0]
+    a = RouterService(SPEC, clock=lambda: clock[0])
+    b = RouterService(SPEC, clock=lambda: clock[0])
+    a._share = b.note_peer_decisions  # noqa: SLF001  (the actor wires this to Ray handles)
+    for svc in (a, b):
+        for rid in ("r0", "r1", "r2"):
+            svc.register(rid, SPEC, 100, [], 0, LoadFigures())
+    prefix = [BlockHash(1000 + i) for i in range(8)]
+    first = a.rank(prefix + [BlockHash(1)], 40, ["r0", "r1", "r2"])
+    chosen = first.replica_ids[0]
+    assert b.router.stats()["peer_decisions"] == 0  # not flushed yet (flushed at most every PEER_FLUSH_S)
+    assert a.push(KVEvents("r0", 1))  # any call flushes
+    assert b.router.stats()["peer_decisions"] == 1
+    assert b.router.load(chosen).in_flight == 1
+    assert b.router.prefix_match(prefix, [chosen])[chosen] == len(prefix)  # pending there
+    second = b.rank(prefix + [BlockHash(2)], 40, ["r0", "r1", "r2"])
+    assert second.replica_ids[0] == chosen and second.expected_cached_tokens == 8 * SPEC.block_size
+    assert set(b.stats()["peer_staleness_ms"]) == {"p50", "p99"}
+    assert b.note_peer_decisions([("gone", prefix, 40, 1, 0.0)]) == 0  # an unknown replica is skipped

@@ -66,7 +66,7 @@ def test_served_by_the_choice_keeps_the_prediction_and_a_resume_drops_it():
     req = request()
     asyncio.run(ranker.order("k", req, ["a", "b"]))
     ranker.routed("k", req, "b")
-    assert req.route.served("b") == RouteTrace("b", 80, "prefix", req.route.ticket)
+    assert req.route.served("b") == RouteTrace("b", 80, "prefix", req.route.ticket, available_tokens=80)
     assert req.route.served("a", resumed=True) == RouteTrace("a", None, "resumed", req.route.ticket)
 
 

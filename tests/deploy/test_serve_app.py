@@ -102,6 +102,9 @@ def test_metrics_cover_every_replica_and_the_router(app):
     assert value["kvroute:routed_requests"] >= 4 and value["kvroute:router_fallbacks"] == 0
     assert value["kvroute:predicted_cached_tokens"] > 0
     assert value["kvroute:actual_cached_tokens"] == value["kvroute:predicted_cached_tokens"]
+    reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
+    assert reuse["captured"] == value["kvroute:predicted_cached_tokens"] and reuse["delivered"] == reuse["captured"]
+    assert reuse["offered"] > reuse["available"] >= reuse["captured"] > 0
     procs = fams["kvroute:process_resident_memory_bytes"].samples
     assert {s.labels["role"] for s in procs} == {"replica", "router", "http"}
     assert {s.labels["replica"] for s in procs if s.labels["role"] == "replica"} == replicas
@@ -132,7 +135,7 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
     config = ClusterConfig(engine=EngineConfig(model=str(tiny_llama_path)), app_name="kvhealth")
     router = get_or_create_router_actor(config)
     try:
-        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, router))
+        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, [router]))
 
         async def no_metrics():
             return b"", "text/plain"

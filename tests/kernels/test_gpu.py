@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvroute.kernels import ops
+from kvroute.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
 from kvroute.kernels.paged_attention import paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_triton
@@ -82,6 +83,15 @@ def test_norm_and_rotary_real_sizes(dtype):
     rotary_reference_(q, k, cos, sin)
     rotary_triton_(q2, k2, cos, sin)
     assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_real_sizes(dtype):
+    """The fused kernel against torch's silu-then-mul (Llama-3.2-1B's 8192-wide MLP):
+    bf16 within one ulp (the two exps may differ in their last float32 bit)."""
+    x = (torch.randn(300, 2 * 8192, device="cuda") * 4).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_reference(x), atol=tol, rtol=tol)
 
 
 NEW = 24

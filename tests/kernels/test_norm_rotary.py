@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvroute.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
 from kvroute.replica.models.rope import RotaryEmbedding
@@ -74,3 +75,14 @@ def test_rotary_reference_is_rotate_half():
     rotary_reference_(q, k, cos, sin)
     torch.testing.assert_close(q, want[0])
     torch.testing.assert_close(k, want[1])
+
+
+@pytest.mark.usefixtures("triton_available")
+@pytest.mark.parametrize("shape,dtype", [((5, 96), torch.float32), ((7, 2 * 1100), torch.bfloat16), ((2, 3, 32), torch.bfloat16)])
+def test_triton_silu_and_mul(shape, dtype):
+    """One kernel for silu(gate) * up, rounding where the eager pair does (1100: more than
+    one column block per row, and not a power of two)."""
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 4).to(DEVICE, dtype)
+    out = silu_and_mul_triton(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+    torch.testing.assert_close(out, silu_and_mul_reference(x), atol=TOL[dtype], rtol=TOL[dtype])

@@ -3,6 +3,7 @@ cache, no model, steps timed by a profile, deterministic tokens, no torch."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.emulated import EmulatedModel, step_seconds
 from kvroute.replica.engine import Engine
-from kvroute.replica.profiles import PROFILES, StepProfile, get_profile
+from kvroute.replica.profiles import PROFILES, STEP_PROFILES, StepProfile, get_profile
 from kvroute.replica.sampling_params import SamplingParams
 
 PROFILE = "gpu_h100_llama3_8b"
@@ -131,3 +132,21 @@ def test_the_emulated_engine_reports_the_profiles_restore_rate(tiny_llama_path):
     assert engine.stats().prefix_cache_host_hits > 0
     want = profile.host_copy_bytes_per_s / profile.kv_bytes_per_token / 0.001
     assert engine.load().host_restore_tokens_per_s == pytest.approx(want)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in STEP_PROFILES.glob("*.json")))
+def test_saved_gpu_profiles_load_by_name_and_drive_the_emulated_engine(name, tiny_llama_path):
+    """Each profile ``gpu_engine --cost-model`` saved names its card, date and command,
+    loads by name for the emulated engine and the simulator, and prices steps as its fit."""
+    from kvroute.benchmarks.sim.__main__ import COST_MODELS
+
+    saved = json.loads((STEP_PROFILES / f"{name}.json").read_text())
+    assert saved["card"] and saved["date"] and saved["command"] and saved["name"] == name
+    profile = get_profile(name)
+    assert COST_MODELS[name]() == profile
+    assert profile.step_time(0, 64, 64 * 1024) == pytest.approx(
+        saved["overhead_s"] + 64 * saved["decode_s_per_seq"] + 64 * 1024 * saved["attn_s_per_ctx_token"])
+    assert profile.restore_time(1024) == pytest.approx(1024 * saved["kv_bytes_per_token"] / saved["host_copy_bytes_per_s"])
+    engine = Engine(EngineConfig(model=str(tiny_llama_path), block_size=8, emulate=name, time_scale=0.001, num_kv_blocks=64))
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=3))
+    assert len(run(engine)["a"]) == 3

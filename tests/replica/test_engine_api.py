@@ -1,5 +1,6 @@
 """The engine's public API on tiny random models: input validation, abort, stop
-conditions, RequestOutput fields, seeded sampling, KV events, cache salts, chat, bf16."""
+conditions, RequestOutput fields, seeded sampling, KV events, cache salts, chat, bf16 and
+dtype='auto' under every CPU mode (tests/conftest.py ``cpu_mode``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.kernels import cpu_capability
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.llm import LLM
 from kvroute.replica.request import RequestStatus
@@ -502,6 +504,7 @@ def test_chat_applies_the_chat_template(llm, tiny_llama_path):
     assert_no_leak(llm)
 
 
+@pytest.mark.usefixtures("cpu_mode")
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])  # untied, tied
 def test_bfloat16_runs(fixture, request):
     path = request.getfixturevalue(fixture)
@@ -513,6 +516,17 @@ def test_bfloat16_runs(fixture, request):
         assert all(0 <= t < VOCAB for t in o.token_ids)
         assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
     assert_no_leak(llm)
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(cpu_mode, tiny_llama_path):
+    import torch
+
+    llm = LLM(str(tiny_llama_path), block_size=BS, num_kv_blocks=16, dtype="auto", device="cpu")
+    native_bf16 = cpu_capability.current().native_bf16_matmul  # AVX512-BF16 or AMX, unless forced down
+    assert llm.engine.runner.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert not (cpu_mode == "avx2" and native_bf16)
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 4
 
 
 @pytest.mark.parametrize(

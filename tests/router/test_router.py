@@ -89,6 +89,23 @@ def test_burst_with_one_new_prefix_goes_to_one_replica():
     assert r.route(h2, n2).replica_id != first.replica_id
 
 
+def test_decisions_record_the_longest_prefix_any_candidate_held():
+    """``available_tokens`` is the best candidate's match (device, then host tier), even
+    when the policy chose another replica; the last prompt token never counts."""
+    r, _ = cluster(3, First())
+    h, n = prompt(0, 4, 0)  # 4 full blocks + 10 tokens
+    assert r.apply(KVEvents("r2", 1, stored=list(h[:3])))
+    d = r.route(h, n)
+    assert (d.replica_id, d.expected_cached_tokens, d.available_tokens) == ("r0", 0, 3 * 16)
+    assert r.route(h, n, ["r0", "r1"]).available_tokens == 16 * 4  # r0's pending run now holds all 4
+    r.add_replica("r3", 100, host_capacity_blocks=100)
+    assert r.apply(KVEvents("r3", 1, stored=list(h[:1]), host_stored=list(h[1:])))
+    assert r.route(h, n, ["r1", "r2", "r3"]).available_tokens == 4 * 16
+    whole, m = prompt(1, 2, 0)
+    assert r.apply(KVEvents("r2", 2, stored=list(whole)))
+    assert r.route(whole, 32, ["r1", "r2"]).available_tokens == 31  # all blocks held: the last token is computed
+
+
 def test_policy_hooks_and_candidates_subset():
     p = First()
     r, _ = cluster(3, p)

@@ -1,0 +1,37 @@
+"""Decision quality at the ingress: the reuse figures and the split of what was not
+delivered, as ``/metrics`` renders them."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.cluster.messages import RouteTrace
+from kvroute.deploy.fanout import Choice
+from kvroute.deploy.metrics import DecisionQuality, render
+
+
+def finished(trace: RouteTrace, prompt: int, cached: int) -> Choice:
+    c = Choice(index=0, prompt_index=0, num_prompt_tokens=prompt, num_cached_tokens=cached)
+    c.routed(trace)
+    return c
+
+
+def test_reuse_figures_and_losses_add_up_to_the_prompt():
+    q = DecisionQuality()
+    q.on_finished(finished(RouteTrace("a", 96, "prefix", 1, available_tokens=96), 200, 96))  # all captured, delivered
+    q.on_finished(finished(RouteTrace("b", 32, "load", 2, available_tokens=128), 200, 16))  # gave up 96, 16 stale
+    q.on_finished(finished(RouteTrace("c", 0, "new_prefix", 3, available_tokens=0), 100, 0))  # cold
+    q.on_finished(finished(RouteTrace("d", 0, "prefix", 4, available_tokens=0), 50, 48))  # more than expected
+    q.on_finished(finished(RouteTrace(reason="fallback"), 80, 64))  # no prediction
+    r = q.reuse
+    assert (r.requests, r.offered, r.available, r.captured, r.delivered) == (4, 550, 224, 128, 160)
+    assert (r.cold, dict(r.routing), r.stale) == (326, {"load": 96}, 16)
+    assert (q.unpredicted_requests, q.unpredicted_delivered) == (1, 64)
+    # offered = delivered + cold + routing + stale - (what was delivered beyond the expectation)
+    assert r.offered == r.delivered + r.cold + sum(r.routing.values()) + r.stale - 48
+    assert r.as_dict()["routing_share"] == 96 / 550
+    fams = {f.name: f for f in text_string_to_metric_families(render("m", {}, None, q, 0).decode())}
+    reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
+    assert reuse == {"offered": 550, "available": 224, "captured": 128, "delivered": 160}
+    loss = {(s.labels["kind"], s.labels["reason"]): s.value for s in fams["kvroute:reuse_loss_tokens"].samples
+            if s.name.endswith("_total")}  # fmt: skip
+    assert loss == {("cold", ""): 326, ("routing", "load"): 96, ("stale", ""): 16}
+    assert [s.value for s in fams["kvroute:unpredicted_requests"].samples if s.name.endswith("_total")] == [1]
