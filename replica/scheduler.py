@@ -9,16 +9,17 @@ newest running request is preempted (recompute) and later resumes from its cache
 
 A step's time is bounded as well as its tokens: while more than one request is running
 or waiting, ``step_target_s`` (less the step overhead and the decodes, down to half of
-it) is shared evenly
-by the rows with prompt left to compute, and each prefill chunk is cut to what its share
-buys at the measured cost (``replica/step_cost.py``), one block at least, so a long
-prompt still advances. A lone prompt's chunk may take ``LONE_STEPS`` targets: a request
-arriving meanwhile joins only at the next step.
+it) is a pool of seconds the rows with prompt left take shortest remaining prompt first,
+each prefill chunk cut to what its seconds buy at the measured cost
+(``replica/step_cost.py``), one block at least, so a short prompt is prefilled in the
+next step and a long one still advances. A lone prompt's chunk may take ``LONE_STEPS``
+targets: a request arriving meanwhile joins only at the next step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
 from kvroute.replica.kv_cache_manager import CopyPlan, HostHit, KVCacheManager
@@ -160,12 +161,12 @@ class Scheduler:
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # request, num_computed, num_new
-        share = self._time_share()
+        allot = self._allot()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens, share)
+            num_new = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens, allot)
             if num_new == 0:
                 i += 1
                 continue
@@ -182,7 +183,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            self._admit(scheduled, budget, share)
+            self._admit(scheduled, budget, allot)
 
         for req, num_computed, num_new in scheduled:
             out.rows.append(
@@ -192,14 +193,14 @@ class Scheduler:
         self.max_batch_size = max(self.max_batch_size, len(out.rows))
         return out
 
-    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, share: float | None) -> None:
+    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allot: dict[int, float] | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = self._chunk(req, remaining, budget, num_hit, share)
+            num_new = self._chunk(req, remaining, budget, num_hit, allot)
             if num_new == 0:
                 break
             if self.kv.allocate_slots(req, num_new, hits) is None:
@@ -215,33 +216,44 @@ class Scheduler:
             scheduled.append((req, num_hit, num_new))
             budget -= num_new
 
-    def _time_share(self) -> float | None:
-        """Seconds of this step each row with prompt left may spend on its chunk: the
-        step target, less the overhead and the decodes' cost (but at least half the
-        target: a machine whose overhead alone passes it still makes progress), over
-        those rows (the running ones and the waiting ones that may be admitted); a lone
-        request's chunk gets ``LONE_STEPS`` targets. None: no bound (no target, nothing
-        measured yet, or no chunking)."""
+    def _allot(self) -> dict[int, float] | None:
+        """Seconds of this step each row with prompt left may spend on its chunk (by
+        ``id`` of its request), or None for no bound (no target, nothing measured yet,
+        or no chunking). The pool is the step target less the overhead and the
+        decodes' cost (at least half the target: a machine whose overhead alone passes
+        it still makes progress); the rows take it shortest remaining prompt first (the
+        running ones and the waiting ones that may be admitted), so a short prompt is
+        prefilled whole in the next step while a long one takes what is left (at least
+        a block: ``_chunk``). A lone request's chunk may take ``LONE_STEPS`` targets."""
         target = self.config.step_target_s
         if not (target and self.cost.fitted and self.config.enable_chunked_prefill):
             return None
         if len(self.running) + len(self.waiting) < 2:
-            return LONE_STEPS * target  # a request arriving meanwhile waits this long at most
-        left = target - self.cost.overhead_s
-        prefills = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running), 0))
+            return {id(r): LONE_STEPS * target for r in (*self.running, *self.waiting)}
+        pool = target - self.cost.overhead_s
+        spans: list[tuple[int, int, Request]] = []
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
-                prefills += 1
+                spans.append((r.num_computed_tokens, r.num_tokens, r))
             else:
-                left -= self.cost.span_seconds(r.num_computed_tokens, r.num_tokens)
-        return max(left, target / 2) / max(prefills, 1)
+                pool -= self.cost.span_seconds(r.num_computed_tokens, r.num_tokens)
+        room = max(self.config.max_num_seqs - len(self.running), 0)
+        spans += [(r.num_computed_tokens, r.num_tokens, r) for r in itertools.islice(self.waiting, room)]
+        pool = max(pool, target / 2)
+        allot: dict[int, float] = {}
+        for start, end, r in sorted(spans, key=lambda s: s[1] - s[0]):
+            allot[id(r)] = give = min(self.cost.span_seconds(start, end), pool)
+            pool -= give
+        return allot
 
-    def _chunk(self, req: Request, remaining: int, budget: int, start: int, share: float | None) -> int:
+    def _chunk(self, req: Request, remaining: int, budget: int, start: int, allot: dict[int, float] | None) -> int:
         """Tokens to compute this step: all that remain if they fit the budget (and the
-        row's time ``share``, when bounded), else a chunk that ends on a page boundary
-        (when page-aligned), possibly 0. The time share never cuts below one block."""
-        if share is not None:
-            budget = min(budget, max(self.cost.tokens_within(share, start), self.block_size))
+        row's seconds in ``allot``, when bounded), else a chunk that ends on a page
+        boundary (when page-aligned), possibly 0. The time bound never cuts below one
+        block, so every prompt advances."""
+        if allot is not None:
+            seconds = allot.get(id(req), 0.0)
+            budget = min(budget, max(self.cost.tokens_within(seconds, start), self.block_size))
         if remaining <= budget:
             return remaining
         if not self.config.enable_chunked_prefill and req.num_computed_tokens == 0:
