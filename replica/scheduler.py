@@ -13,7 +13,8 @@ it) is a pool of seconds the rows with prompt left take shortest remaining promp
 each prefill chunk cut to what its seconds buy at the measured cost
 (``replica/step_cost.py``), one block at least, so a short prompt is prefilled in the
 next step and a long one still advances. A lone prompt's chunk may take ``LONE_STEPS``
-targets: a request arriving meanwhile joins only at the next step.
+targets: a request arriving meanwhile joins only at the next step. Before any step is
+measured, a chunk is at most ``PROBE_TOKENS``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvroute.replica.request import Request, RequestStatus
 from kvroute.replica.step_cost import StepCostModel, attention_pairs
 
 LONE_STEPS = 4  # a lone prompt's chunk: up to this many step targets (bigger chunks, fewer steps)
+PROBE_TOKENS = 128  # a chunk's most tokens before any step is measured, when steps are time-bounded
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,8 @@ class Scheduler:
         if allot is not None:
             seconds = allot.get(id(req), 0.0)
             budget = min(budget, max(self.cost.tokens_within(seconds, start), self.block_size))
+        elif self.config.step_target_s and not self.cost.fitted:
+            budget = min(budget, PROBE_TOKENS)  # a short first step to measure, not seconds of blind prefill
         if remaining <= budget:
             return remaining
         if not self.config.enable_chunked_prefill and req.num_computed_tokens == 0:

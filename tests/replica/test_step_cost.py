@@ -9,7 +9,7 @@ from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.replica.scheduler import Scheduler, SchedulerConfig
+from kvroute.replica.scheduler import PROBE_TOKENS, Scheduler, SchedulerConfig
 from kvroute.replica.step_cost import StepCostModel, attention_pairs
 from kvroute.replica.telemetry import ReplicaTelemetry
 
@@ -182,3 +182,12 @@ def test_the_load_report_prices_the_queue_with_the_cost_model():
     before = sched.cost.coef
     telemetry.observe_step(sched.schedule(), 10.0)
     assert sched.cost.coef != before
+
+
+def test_the_first_chunk_is_a_probe_until_a_step_is_measured():
+    """Before the engine has timed any step, a time-bounded scheduler cannot price a
+    chunk: it takes ``PROBE_TOKENS`` (not seconds of blind prefill at a CPU's rate)."""
+    sched = make_sched()
+    sched.cost = StepCostModel()  # nothing measured
+    sched.add(make_req(6500))
+    assert [r.num_new for r in step(sched).rows] == [PROBE_TOKENS]
