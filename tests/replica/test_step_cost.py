@@ -154,14 +154,11 @@ def test_an_overhead_past_the_target_still_leaves_the_prefills_half_of_it():
     assert [r.num_new for r in step(sched).rows] == [max(sched.cost.tokens_within(0.01 / 2 / 2, start), BS) // BS * BS, 5]
 
 
-def test_no_target_or_no_measurement_leaves_the_token_budget():
-    for sched in (make_sched(target=None), make_sched()):
-        if sched.config.step_target_s:
-            sched.cost = StepCostModel()  # nothing measured yet
-        long = make_req(6500)
-        sched.add(long)
-        sched.add(make_req(5, base=30_000))
-        assert [r.num_new for r in step(sched).rows] == [2048]  # as before: the 5-token prompt waits
+def test_no_target_leaves_the_token_budget():
+    sched = make_sched(target=None)
+    sched.add(make_req(6500))
+    sched.add(make_req(5, base=30_000))
+    assert [r.num_new for r in step(sched).rows] == [2048]  # as before: the 5-token prompt waits
 
 
 def test_the_load_report_prices_the_queue_with_the_cost_model():
@@ -190,4 +187,5 @@ def test_the_first_chunk_is_a_probe_until_a_step_is_measured():
     sched = make_sched()
     sched.cost = StepCostModel()  # nothing measured
     sched.add(make_req(6500))
-    assert [r.num_new for r in step(sched).rows] == [PROBE_TOKENS]
+    sched.add(make_req(5, base=30_000))
+    assert [r.num_new for r in step(sched).rows] == [PROBE_TOKENS, 5]
