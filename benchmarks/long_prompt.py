@@ -112,6 +112,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--limit-s", type=float, default=300.0, help="stop the short requests after this long at most")
     p.add_argument("--background-tokens", type=int, default=0, help="words per background request")
     p.add_argument("--background-concurrency", type=int, default=0)
+    p.add_argument("--emulate", default=None, help="emulated replicas of this step profile (e.g. cpu_avx2_slow)")
+    p.add_argument("--time-scale", type=float, default=None, help="with --emulate: stretch every step by this")
+    p.add_argument("--step-target-s", type=float, default=None, help="the engines' step target (0: tokens only)")
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. the commit measured)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -119,7 +122,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     url = args.url
     if url is None:
         serve_args = argparse.Namespace(model=MODEL, replicas=args.replicas, port=None, max_body_bytes=8 << 20,
-                                        dtype=args.dtype, block_size=None, num_kv_blocks=None, max_model_len=None)  # fmt: skip
+                                        dtype=args.dtype, block_size=None, num_kv_blocks=None, max_model_len=None,
+                                        emulate=args.emulate, time_scale=args.time_scale,
+                                        step_target_s=args.step_target_s)  # fmt: skip
         proc, url = start_service(serve_args)
     try:
         background = (args.background_tokens, args.background_concurrency)
@@ -127,7 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if proc is not None:
             stop_service(proc)
-    result.update(label=args.label, replicas=args.replicas, dtype=args.dtype, concurrency=args.concurrency,
+    result.update(label=args.label, replicas=args.replicas, dtype=args.dtype, emulate=args.emulate,
+                  time_scale=args.time_scale, step_target_s=args.step_target_s, concurrency=args.concurrency,
                   background_tokens=args.background_tokens, background_concurrency=args.background_concurrency)
     summary = (f"long {result['long_prompt_tokens']} tokens in {result['long_s']:.1f} s; {result['shorts']} short "
                f"({result['shorts_failed']} failed, {result['shorts_before_long']} done before it): TTFT p50 "

@@ -283,8 +283,8 @@ def start_service(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = args.port or _free_port()
     cmd = [str(Path(sys.executable).parent / "kvroute"), "serve", "--model", args.model, "--replicas", str(args.replicas),
            "--port", str(port), "--max-body-bytes", str(args.max_body_bytes)]
-    for flag in ("dtype", "block_size", "num_kv_blocks", "max_model_len"):
-        if getattr(args, flag) is not None:
+    for flag in ("dtype", "block_size", "num_kv_blocks", "max_model_len", "emulate", "time_scale", "step_target_s"):
+        if getattr(args, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -29,6 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="a host-memory KV tier of this many blocks behind the device cache (0: none)")
     p.add_argument("--host-kv-gb", type=float, default=0.0, help="or the host KV tier's size in GiB")
+    p.add_argument("--step-target-s", type=float, default=0.25,
+                   help="cut prefill chunks so a step shared with other requests takes about this long (0: tokens only)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,6 +46,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         time_scale=args.time_scale,
         host_kv_blocks=args.host_kv_blocks,
         host_kv_gb=args.host_kv_gb,
+        step_target_s=args.step_target_s or None,
     )
 
 

@@ -48,7 +48,8 @@ class AsyncEngine:
         return cls(Engine(config))
 
     def add_event_listener(self, fn) -> None:
-        """``fn(KVEvents)`` is called on the event loop after every step."""
+        """``fn(KVEvents)`` is called on the event loop after every step, and when
+        requests were added between steps (their load, before the next step runs)."""
         self._event_listeners.append(fn)
 
     async def generate(
@@ -188,11 +189,14 @@ class AsyncEngine:
             self._loop_task = loop.create_task(self._run())
         self._wake.set()
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> bool:
+        """Apply the queued adds and aborts; True if a request was added."""
         adds, self._to_add = self._to_add, []
+        added = False
         for req in adds:
             if req.request_id in self._queues:  # its caller may already have gone
                 self.engine.add(req)
+                added = True
         aborts, self._to_abort = self._to_abort, []
         for rid in aborts:
             req = self.engine.requests.get(rid)
@@ -202,12 +206,21 @@ class AsyncEngine:
                     q.put_nowait(
                         TokenDelta(rid, [], "", None, "abort", req.num_prompt_tokens, max(req.num_cached_tokens, 0))
                     )
+        return added
+
+    def _publish(self, events) -> None:
+        self.last_events = events
+        for fn in self._event_listeners:
+            fn(events)
 
     async def _run(self) -> None:
         assert self._wake is not None
         try:
             while True:
-                self._apply_pending()
+                if self._apply_pending():
+                    # Report the new requests now, not after the step: a CPU step can
+                    # outlast the router's patience for requests it routed here.
+                    self._publish(self.engine.events())
                 if not self.engine.has_unfinished():
                     self._wake.clear()
                     if self._to_add or self._to_abort:
@@ -220,9 +233,7 @@ class AsyncEngine:
                         q = self._queues.get(delta.request_id)
                         if q is not None:
                             q.put_nowait(delta)
-                    self.last_events = out.kv_events
-                    for fn in self._event_listeners:
-                        fn(out.kv_events)
+                    self._publish(out.kv_events)
         except BaseException as exc:  # a crashed step must not leave callers hanging
             for q in self._queues.values():
                 q.put_nowait(RuntimeError(f"engine step failed: {exc!r}") if not isinstance(exc, asyncio.CancelledError) else exc)

@@ -28,6 +28,12 @@ class EngineConfig:
     by a copy instead of a recompute. 0: none. Or ``host_kv_gb``: the tier sized in
     GiB of host memory (from the model's KV bytes per block; an emulated engine's from
     its profile).
+
+    ``step_target_s``: while more than one request is running or waiting, prefill chunks
+    are cut so a step takes about this long at the engine's measured step cost (a
+    decode batched with a long prompt waits one step per token; ARCHITECTURE.md §4);
+    an emulated engine's target is scaled by ``time_scale`` like its steps. A lone
+    prompt's chunk may take four targets (``scheduler.LONE_STEPS``). None: tokens only.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -50,6 +56,7 @@ class EngineConfig:
     time_scale: float = 1.0
     host_kv_blocks: int = 0
     host_kv_gb: float = 0.0
+    step_target_s: float | None = 0.25
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
         if self.time_scale != 1.0 and self.emulate is None:
             raise ValueError("time_scale applies to an emulated engine only (set emulate)")
+        if self.step_target_s is not None and not self.step_target_s > 0:
+            raise ValueError(f"step_target_s must be > 0 or None, got {self.step_target_s!r}")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
 

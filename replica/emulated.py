@@ -19,22 +19,24 @@ from typing import Any, Callable, Sequence
 
 from kvroute.replica.profiles import StepProfile
 from kvroute.replica.sampling_params import SampleRequest, SamplerOutput
+from kvroute.replica.step_cost import attention_pairs
 
 _FIRST_ORDINARY_ID = 1000  # ids below this are special tokens in the tokenizers we ship
 
 
 def step_seconds(profile: StepProfile, sched: Any) -> float:
     """The profile's time for one scheduled step (``SchedulerOutput``): its prefill
-    tokens, its decode rows, the KV context those rows read, and the host-tier blocks
+    tokens and the positions they attend, its decode rows, the KV context those rows read, and the host-tier blocks
     it restores first (offloads overlap the step: not charged)."""
-    prefill = decode = ctx = 0
+    prefill = decode = ctx = pairs = 0
     for row in sched.rows:
         if row.num_computed < row.request.num_prompt_tokens:
             prefill += row.num_new
+            pairs += attention_pairs(row.num_computed, row.num_computed + row.num_new)
         else:
             decode += 1
             ctx += row.num_computed + row.num_new
-    return profile.step_time(prefill, decode, ctx) + profile.restore_time(sched.restored_tokens)
+    return profile.step_time(prefill, decode, ctx, pairs) + profile.restore_time(sched.restored_tokens)
 
 
 class EmulatedModel:

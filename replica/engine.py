@@ -77,9 +77,11 @@ class Engine:
         else:
             num_blocks = self._load_model(config)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.host_kv_blocks)
+        target = None if config.step_target_s is None else config.step_target_s * config.time_scale
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned
+                config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned,
+                target,
             ),
             self.kv,
         )
@@ -276,6 +278,11 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ introspection
+    def events(self) -> KVEvents:
+        """The cache changes since the last batch and the load figures now, numbered
+        next: a host publishes them when it adds requests between steps."""
+        return self.telemetry.events()
+
     def load(self) -> LoadFigures:
         return self.telemetry.load()
 

@@ -19,11 +19,16 @@ class LoadFigures:
     request) among the requests this replica had accepted when the figures were taken,
     0 before any. The router keeps its optimistic increments for the requests it routed
     here with a later ticket (still in transit, or waiting for the step in flight to
-    end) and drops the rest, which these figures already count."""
+    end) and drops the rest, which these figures already count.
+
+    ``queued_prefill_s``: the replica's own estimate of the seconds its queued prefill
+    takes, from its measured step cost (attention grows with position, so a long
+    prompt's tokens cost more than a short one's); 0.0 while it has measured no step."""
 
     num_waiting: int = 0
     num_running: int = 0
     queued_prefill_tokens: int = 0
+    queued_prefill_s: float = 0.0
     kv_usage: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0

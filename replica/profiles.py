@@ -67,17 +67,21 @@ class StepProfile:
     max_model_len: int = 131_072
     kv_bytes_per_token: int = 0  # for host-tier copies
     host_copy_bytes_per_s: float = 0.0  # host -> device KV copy bandwidth (0: copies are free)
+    prefill_s_per_pair: float = 0.0  # prefill attention: seconds per (new token, position it attends) pair
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
-        if min(self.overhead_s, self.decode_s_per_seq, self.attn_s_per_ctx_token) < 0:
+        if min(self.overhead_s, self.decode_s_per_seq, self.attn_s_per_ctx_token, self.prefill_s_per_pair) < 0:
             raise ValueError("cost model constants must be >= 0")
 
-    def step_time(self, prefill_tokens: int, decode_batch: int, context_tokens: int = 0) -> float:
+    def step_time(self, prefill_tokens: int, decode_batch: int, context_tokens: int = 0, prefill_pairs: int = 0) -> float:
+        """Seconds of one step: ``prefill_pairs`` counts the prefill rows' attention
+        (``replica.step_cost.attention_pairs``), which a CPU feels deep in a long prompt."""
         return (
             self.overhead_s
             + prefill_tokens / self.prefill_tokens_per_s
+            + prefill_pairs * self.prefill_s_per_pair
             + decode_batch * self.decode_s_per_seq
             + context_tokens * self.attn_s_per_ctx_token
         )
@@ -125,6 +129,19 @@ def cpu_measured(path: str | Path = "results/offline.json") -> StepProfile:
     )
 
 
+def cpu_avx2_slow() -> StepProfile:
+    """SmolLM2-135M in fp32 on issue 31's AVX2-only 2-core EPYC, where a long prompt
+    stalled its replica: a 6,525-token prompt took 49.1 s and a 5-token request 0.4 s;
+    the offline run decoded 54.6 tok/s at batch 64 (1.17 s a step). The split between
+    tokens and attention pairs is from this repo's 2-core EPYC forced to AVX2 (a 6.5k
+    prompt's last 512-token chunk took 2.8 x its first), which with the 49.1 s gives
+    3.64 ms a token and 1.18 us a pair."""
+    return StepProfile(
+        "cpu_avx2_slow", 0.05, 275.0, 0.0175, 1.18e-6, kv_blocks_per_replica=2048, max_model_len=8192,
+        prefill_s_per_pair=1.18e-6, source="issue 31's AVX2 EPYC (49.1 s for 6,525 tokens), split measured here",
+    )
+
+
 STEP_PROFILES = Path(__file__).with_name("step_profiles")
 
 
@@ -142,6 +159,7 @@ def _saved(path: Path) -> Callable[[], StepProfile]:
 PROFILES: dict[str, Callable[[], StepProfile]] = {
     "gpu_h100_llama3_8b": gpu_h100_llama3_8b,
     "cpu_measured": cpu_measured,
+    "cpu_avx2_slow": cpu_avx2_slow,
     **{p.stem: _saved(p) for p in sorted(STEP_PROFILES.glob("*.json"))},
 }
 

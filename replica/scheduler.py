@@ -6,16 +6,30 @@ are restored by a copy before the step, not recomputed); the token budget and
 step's chunk needs are allocated; a non-final prefill chunk ends on a page boundary
 (page-aligned prefill); the last prompt token is always computed; under KV pressure the
 newest running request is preempted (recompute) and later resumes from its cache hits.
+
+A step's time is bounded as well as its tokens: while more than one request is running
+or waiting, ``step_target_s`` (less the step overhead and the decodes, down to half of
+it) is a pool of seconds the rows with prompt left take shortest remaining prompt first,
+each prefill chunk cut to what its seconds buy at the measured cost
+(``replica/step_cost.py``), one block at least, so a short prompt is prefilled in the
+next step and a long one still advances. A lone prompt's chunk may take ``LONE_STEPS``
+targets: a request arriving meanwhile joins only at the next step. Before any step is
+measured, a chunk is at most ``PROBE_TOKENS``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
 from kvroute.replica.kv_cache_manager import CopyPlan, HostHit, KVCacheManager
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request, RequestStatus
+from kvroute.replica.step_cost import StepCostModel, attention_pairs
+
+LONE_STEPS = 4  # a lone prompt's chunk: up to this many step targets (bigger chunks, fewer steps)
+PROBE_TOKENS = 128  # a chunk's most tokens before any step is measured, when steps are time-bounded
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,10 @@ class SchedulerOutput:
         return sum(r.num_new for r in self.rows)
 
     @property
+    def attention_pairs(self) -> int:
+        return sum(attention_pairs(r.num_computed, r.num_computed + r.num_new) for r in self.rows)
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(r.num_new for r in self.rows if r.num_computed < r.request.num_prompt_tokens)
 
@@ -64,12 +82,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     page_aligned: bool = True
+    step_target_s: float | None = None  # seconds a step with other requests aims at (None: tokens only)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.step_target_s is not None and not self.step_target_s > 0:
+            raise ValueError(f"step_target_s must be > 0 or None, got {self.step_target_s!r}")
 
 
 class Scheduler:
@@ -82,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_batch_size = 0  # largest number of rows in one step (for benchmarks)
         self.route_ticket = 0  # highest router ticket of any request added (LoadFigures.route_ticket)
+        self.cost = StepCostModel()  # fed by the engine's telemetry after each step
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -93,15 +115,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def queued_prefill_tokens(self) -> int:
-        """Prefill tokens still to compute. A running request counts the rest of its
-        prompt. A waiting request counts the part of its prompt that neither the prefix
-        cache nor a request ahead of it (running, or earlier in the queue) will hold by
-        its admission: a prefix shared by queued requests is computed once, by the
-        first, and counted once (a burst of one group's requests is one prefill and
-        their suffixes, not a prefill each)."""
-        total = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return sum(end - start for start, end in self.queued_spans())
+
+    def queued_spans(self) -> list[tuple[int, int]]:
+        """The prefill still to compute, as ``(start, end)`` positions per request. A
+        running request has the rest of its prompt. A waiting request has the part of
+        its prompt that neither the prefix cache nor a request ahead of it (running, or
+        earlier in the queue) will hold by its admission: a prefix shared by queued
+        requests is computed once, by the first, and counted once (a burst of one
+        group's requests is one prefill and their suffixes, not a prefill each)."""
+        spans = [(r.num_computed_tokens, r.num_prompt_tokens) for r in self.running
+                 if r.num_computed_tokens < r.num_prompt_tokens]  # fmt: skip
         if not self.kv.enable_caching:  # nothing is shared: every prompt is computed whole
-            return total + sum(r.num_tokens for r in self.waiting)
+            return spans + [(0, r.num_tokens) for r in self.waiting]
         bs = self.block_size
         ahead: set = set()  # hashes of the blocks a request ahead will compute
         for r in self.running:
@@ -113,9 +139,9 @@ class Scheduler:
             last = min((r.num_tokens - 1) // bs, len(hashes))  # the last token is always computed
             while hit < last and hashes[hit] in ahead:
                 hit += 1
-            total += r.num_tokens - hit * bs
+            spans.append((hit * bs, r.num_tokens))
             ahead.update(hashes[hit:last])
-        return total
+        return spans
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request wherever it is and free its blocks (idempotent)."""
@@ -137,11 +163,12 @@ class Scheduler:
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # request, num_computed, num_new
+        allot = self._allot()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens)
+            num_new = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens, allot)
             if num_new == 0:
                 i += 1
                 continue
@@ -158,7 +185,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            self._admit(scheduled, budget)
+            self._admit(scheduled, budget, allot)
 
         for req, num_computed, num_new in scheduled:
             out.rows.append(
@@ -168,14 +195,14 @@ class Scheduler:
         self.max_batch_size = max(self.max_batch_size, len(out.rows))
         return out
 
-    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> None:
+    def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allot: dict[int, float] | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = self._chunk(req, remaining, budget, num_hit)
+            num_new = self._chunk(req, remaining, budget, num_hit, allot)
             if num_new == 0:
                 break
             if self.kv.allocate_slots(req, num_new, hits) is None:
@@ -191,9 +218,46 @@ class Scheduler:
             scheduled.append((req, num_hit, num_new))
             budget -= num_new
 
-    def _chunk(self, req: Request, remaining: int, budget: int, start: int) -> int:
-        """Tokens to compute this step: all that remain if they fit, else a chunk that ends
-        on a page boundary (when page-aligned), possibly 0."""
+    def _allot(self) -> dict[int, float] | None:
+        """Seconds of this step each row with prompt left may spend on its chunk (by
+        ``id`` of its request), or None for no bound (no target, nothing measured yet,
+        or no chunking). The pool is the step target less the overhead and the
+        decodes' cost (at least half the target: a machine whose overhead alone passes
+        it still makes progress); the rows take it shortest remaining prompt first (the
+        running ones and the waiting ones that may be admitted), so a short prompt is
+        prefilled whole in the next step while a long one takes what is left (at least
+        a block: ``_chunk``). A lone request's chunk may take ``LONE_STEPS`` targets."""
+        target = self.config.step_target_s
+        if not (target and self.cost.fitted and self.config.enable_chunked_prefill):
+            return None
+        if len(self.running) + len(self.waiting) < 2:
+            return {id(r): LONE_STEPS * target for r in (*self.running, *self.waiting)}
+        pool = target - self.cost.overhead_s
+        spans: list[tuple[int, int, Request]] = []
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                spans.append((r.num_computed_tokens, r.num_tokens, r))
+            else:
+                pool -= self.cost.span_seconds(r.num_computed_tokens, r.num_tokens)
+        room = max(self.config.max_num_seqs - len(self.running), 0)
+        spans += [(r.num_computed_tokens, r.num_tokens, r) for r in itertools.islice(self.waiting, room)]
+        pool = max(pool, target / 2)
+        allot: dict[int, float] = {}
+        for start, end, r in sorted(spans, key=lambda s: s[1] - s[0]):
+            allot[id(r)] = give = min(self.cost.span_seconds(start, end), pool)
+            pool -= give
+        return allot
+
+    def _chunk(self, req: Request, remaining: int, budget: int, start: int, allot: dict[int, float] | None) -> int:
+        """Tokens to compute this step: all that remain if they fit the budget (and the
+        row's seconds in ``allot``, when bounded), else a chunk that ends on a page
+        boundary (when page-aligned), possibly 0. The time bound never cuts below one
+        block, so every prompt advances."""
+        if allot is not None:
+            seconds = allot.get(id(req), 0.0)
+            budget = min(budget, max(self.cost.tokens_within(seconds, start), self.block_size))
+        elif self.config.step_target_s and not self.cost.fitted:
+            budget = min(budget, PROBE_TOKENS)  # a short first step to measure, not seconds of blind prefill
         if remaining <= budget:
             return remaining
         if not self.config.enable_chunked_prefill and req.num_computed_tokens == 0:

@@ -1,6 +1,7 @@
 """What a replica reports after each step: KV events numbered by ``seq`` and load figures
-with measured rates. Shared by the engine and the simulator's replicas, so both speak to
-the router in exactly the same way."""
+with measured rates and its queued prefill priced in seconds by the scheduler's step
+cost model, which each step's duration feeds. Shared by the engine and the simulator's
+replicas, so both speak to the router in exactly the same way."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ class ReplicaTelemetry:
         self.host_restore_tokens_per_s = 0.0
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
-        """Fold one step's duration into the prefill rate (steps with prefill) or the
-        decode step time (decode-only steps)."""
+        """Fold one step's duration into the prefill rate and the step cost model
+        (steps with prefill) or the decode step time (decode-only steps)."""
         if step.num_prefill_tokens:
+            self.scheduler.cost.observe(step.num_tokens, step.attention_pairs, seconds)
             rate = step.num_tokens / max(seconds, 1e-9)
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if not old else (1 - _EMA) * old + _EMA * rate
@@ -40,10 +42,12 @@ class ReplicaTelemetry:
 
     def load(self) -> LoadFigures:
         s = self.scheduler
+        spans = s.queued_spans()
         return LoadFigures(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
-            queued_prefill_tokens=s.queued_prefill_tokens(),
+            queued_prefill_tokens=sum(end - start for start, end in spans),
+            queued_prefill_s=sum(s.cost.span_seconds(start, end) for start, end in spans),
             kv_usage=self.kv.usage,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_step_s=self.decode_step_s,

@@ -14,6 +14,12 @@ steps take seconds and which takes new requests only between steps, every heartb
 during a long prefill did, and the router saw that replica idle (a 2-replica run sent
 31 of 48 requests to one of them).
 
+The queue is priced in two parts: ``queued_s``, the seconds the replica itself
+estimated for the queue it reported (``LoadFigures.queued_prefill_s``, from its measured
+step cost, so a long prompt's deep positions cost what they cost there), and
+``unpriced``, the tokens nobody priced yet (the increments, or the whole reported queue
+of a replica with no estimate), which the policy prices at the fleet's rate.
+
 Layout: each replica owns a slot (reused after removal) and every figure the policies
 read on the request path is a column (a list indexed by slot), so a report or an
 increment is a few list stores and ``columns`` hands a policy each column for its
@@ -32,10 +38,10 @@ from typing import Callable, Sequence
 from kvroute.replica.kv_events import LoadFigures
 from kvroute.router.types import ReplicaId, ReplicaLoad, free_kv_blocks
 
-# (queued, rate, running, decode_step, interference, queue_len, backlog, free_blocks, measured)
+# (queued, rate, running, decode_step, interference, queue_len, backlog, free_blocks, measured, queued_s, unpriced)
 Columns = tuple[
     Sequence[int], Sequence[float], Sequence[int], Sequence[float], Sequence[float], Sequence[int], Sequence[int],
-    Sequence[float], bool,
+    Sequence[float], bool, Sequence[float], Sequence[int],
 ]
 
 
@@ -61,6 +67,8 @@ class LoadView:
         self.queue_len: list[int] = []  # waiting + running + in_flight
         self.backlog: list[int] = []  # waiting + in_flight
         self.free_blocks: list[float] = []  # KV blocks free at the last report ((1 - kv_usage) x capacity)
+        self.queued_s: list[float] = []  # the reported queue's seconds, as the replica estimated them (0.0: none)
+        self.unpriced: list[int] = []  # queued tokens not in queued_s: the increments (all, without an estimate)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
         # per slot: (ticket, uncached tokens, deadline) of each request routed there that
         # no report counts yet, oldest first (tickets and deadlines both increase)
@@ -125,6 +133,7 @@ class LoadView:
         self.backlog[slot] += 1
         if uncached_tokens > 0:
             self.queued[slot] += uncached_tokens
+            self.unpriced[slot] += uncached_tokens
         self._cached[slot] = None
 
     def _set(self, s: int, f: LoadFigures) -> None:
@@ -138,6 +147,8 @@ class LoadView:
         self.queue_len[s] = f.num_waiting + f.num_running
         self.backlog[s] = f.num_waiting
         self.free_blocks[s] = free_kv_blocks(f.kv_usage, self._capacity[s])
+        self.queued_s[s] = f.queued_prefill_s
+        self.unpriced[s] = 0 if f.queued_prefill_s else f.queued_prefill_tokens
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:
@@ -163,13 +174,13 @@ class LoadView:
 
     def columns(self, getter: Callable[[list], Sequence] | None) -> Columns:
         """(queued, rate, running, decode_step, interference, queue_len, backlog,
-        free_blocks, measured) for the candidates ``getter`` selects (``select``), in
+        free_blocks, measured, queued_s, unpriced) for the candidates ``getter`` selects (``select``), in
         their order: ``CandidateTable``'s fields. The live columns come back when the
         candidates are every slot (read-only)."""
         if getter is None:
             return (
                 self.queued, self.rate, self.running, self.decode_step, self.interference, self.queue_len,
-                self.backlog, self.free_blocks, not self._unmeasured,
+                self.backlog, self.free_blocks, not self._unmeasured, self.queued_s, self.unpriced,
             )  # fmt: skip
         rate, step = getter(self.rate), getter(self.decode_step)
         return (
@@ -182,6 +193,8 @@ class LoadView:
             getter(self.backlog),
             getter(self.free_blocks),
             not self._unmeasured or (all(rate) and all(step)),
+            getter(self.queued_s),
+            getter(self.unpriced),
         )
 
     def has_report(self, replica_id: str) -> bool:
@@ -199,12 +212,14 @@ class LoadView:
             num_waiting=f.num_waiting,
             num_running=f.num_running,
             queued_prefill_tokens=self.queued[s],
+            queued_prefill_s=f.queued_prefill_s,
             kv_usage=f.kv_usage,
             prefill_tokens_per_s=f.prefill_tokens_per_s,
             decode_step_s=f.decode_step_s,
             route_ticket=f.route_ticket,
             capacity_blocks=self._capacity[s],
             in_flight=self.in_flight[s],
+            unpriced_tokens=self.unpriced[s],
         )
         return cached
 
@@ -215,7 +230,8 @@ class LoadView:
     def _all_columns(self) -> list[list]:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
-            self.interference, self.queue_len, self.backlog, self.free_blocks, self._transit, self._figures,
+            self.interference, self.queue_len, self.backlog, self.free_blocks, self.queued_s, self.unpriced,
+            self._transit, self._figures,
             self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 

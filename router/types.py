@@ -63,10 +63,13 @@ def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:
 class ReplicaLoad(LoadFigures):
     """A replica's load as the router sees it: its last reported ``LoadFigures``, with
     the optimistic increments for requests routed there since that report folded into
-    ``queued_prefill_tokens`` and counted in ``in_flight``, and its KV capacity."""
+    ``queued_prefill_tokens`` and counted in ``in_flight``, and its KV capacity.
+    ``unpriced_tokens``: the queued tokens ``queued_prefill_s`` does not price (the
+    increments; every queued token of a replica that sent no estimate)."""
 
     capacity_blocks: int = 0
     in_flight: int = 0  # routed here since the last report
+    unpriced_tokens: int = 0
 
     @property
     def queue_len(self) -> int:
@@ -85,6 +88,8 @@ class CandidateTable:
     ``decode_step[i]`` if candidate ``i`` has running decodes, else 0.0;
     ``free_blocks[i]``: ``free_kv_blocks`` as of the last report. ``measured``:
     no candidate lacks a rate or a decode step time (else the policy fills them in).
+    ``queued_s[i]``: the seconds candidate ``i`` estimated for its reported queue, and
+    ``unpriced[i]`` the queued tokens that estimate leaves out (see ``LoadView``).
     ``room(positions)`` gives the blocks of room left in those candidates' caches
     (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
     ``host_depth[i]``: blocks past ``depth[i]`` that candidate ``i``'s host tier holds
@@ -93,7 +98,7 @@ class CandidateTable:
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
-        "backlog", "free_blocks", "measured", "room", "host_depth", "host_rate",
+        "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
     )  # fmt: skip
 
     def __init__(
@@ -109,6 +114,8 @@ class CandidateTable:
         backlog: Sequence[int],
         free_blocks: Sequence[float],
         measured: bool,
+        queued_s: Sequence[float],
+        unpriced: Sequence[int],
         room: Callable[[Sequence[int]], list[int]] | None,
     ) -> None:
         self.candidates = candidates
@@ -122,6 +129,8 @@ class CandidateTable:
         self.backlog = backlog
         self.free_blocks = free_blocks
         self.measured = measured
+        self.queued_s = queued_s
+        self.unpriced = unpriced
         self.room = room
         self.host_depth: Sequence[int] | None = None
         self.host_rate: Sequence[float] = ()
@@ -155,5 +164,7 @@ class CandidateTable:
             [ld.num_waiting + ld.in_flight for ld in loads],
             [free_kv_blocks(ld.kv_usage, ld.capacity_blocks) for ld in loads],
             all(rate) and all(step),
+            [ld.queued_prefill_s for ld in loads],
+            [ld.unpriced_tokens if ld.queued_prefill_s else ld.queued_prefill_tokens for ld in loads],
             room,
         )

@@ -4,8 +4,14 @@ The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
 
     cached_r = min(matched_blocks_r × block_size, n − 1)      # the last token is always computed
                − restored_r × prefill_rate / restore_rate_r      # host-tier blocks cost their copy
+    wait_r   = queued_prefill_s_r + unpriced_r / fleet_rate      # the queue as r priced it, + what it has not
     work_r   = queued_prefill_tokens_r + n − cached_r
-    ttft_r   = work_r / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
+    ttft_r   = wait_r + (n − cached_r) / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
+
+``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
+measured step cost: a long prompt's deep positions cost more per token than a short
+prompt's); ``unpriced_r`` the queued tokens it does not cover (routed since its last
+report, or its whole queue before it has measured a step).
 
 Among the admissible candidates (batch: a queue at most ``max(1.5 × mean, mean + 16)``
 of the candidates' queues; KV: free blocks, less the queued prefills', for what the
@@ -91,19 +97,31 @@ class KVRoutePolicy(Policy):
             sum(steps) / len(steps) if steps else self.default_decode_step_s,
         )
 
-    def ttfts(self, works: Sequence[int], interference: Sequence[float], fleet_rate: float) -> list[float]:
-        """THE TTFT formula: for each candidate, ``work`` tokens to prefill before the
-        request's first token at ``fleet_rate``, plus one decode step (``interference``,
-        0.0 where no decodes run) per engine step the prefill spans."""
+    def ttfts(
+        self, waits: Sequence[float], queued: Sequence[int], own: Sequence[int], interference: Sequence[float],
+        fleet_rate: float,
+    ) -> list[float]:
+        """THE TTFT formula: for each candidate, the ``wait`` for its queue (seconds),
+        the request's ``own`` uncached tokens at ``fleet_rate``, plus one decode step
+        (``interference``, 0.0 where no decodes run) per engine step the ``queued``
+        and own tokens span."""
         S = self.step_tokens
-        return [w / fleet_rate + -(-w // S) * d for w, d in zip(works, interference)]
+        return [w + o / fleet_rate + -(-(q + o) // S) * d for w, q, o, d in zip(waits, queued, own, interference)]
+
+    @staticmethod
+    def waits(queued_s: Sequence[float], unpriced: Sequence[int], fleet_rate: float) -> list[float]:
+        """Seconds each candidate's queue takes: its own estimate, plus the tokens it
+        leaves out at ``fleet_rate``."""
+        return [s + u / fleet_rate for s, u in zip(queued_s, unpriced)]
 
     def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: Sequence[ReplicaLoad] = ()) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of
         prefill; ``peers`` (the other candidates) supply the rates ``load`` lacks."""
         fleet_rate, default_step = self.fallback_rates([load, *peers])
         interference = (load.decode_step_s or default_step) if load.num_running else 0.0
-        return self.ttfts([load.queued_prefill_tokens + uncached_tokens], [interference], fleet_rate)[0]
+        unpriced = load.unpriced_tokens if load.queued_prefill_s else load.queued_prefill_tokens
+        wait = self.waits([load.queued_prefill_s], [unpriced], fleet_rate)
+        return self.ttfts(wait, [load.queued_prefill_tokens], [uncached_tokens], [interference], fleet_rate)[0]
 
     def batch_limit(self, queue_lens: Sequence[int]) -> float:
         """The most requests (waiting + running + routed since the last report) a
@@ -169,12 +187,12 @@ class KVRoutePolicy(Policy):
         kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
         top = est.top
         if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
-            if self._clear_owner(est, table.queued, n, saturated):
+            if self._clear_owner(est, n, saturated):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
-        works = [q + n for q in table.queued]
+        own = [n] * len(qlen)
         for i, c in est.cached.items():
-            works[i] -= c
-        ts = self.ttfts(works, est.interference, est.fleet_rate)
+            own[i] -= c
+        ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
             ok = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
@@ -194,7 +212,7 @@ class KVRoutePolicy(Policy):
         else:  # an unmeasured replica borrows its peers' mean decode step
             fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interference = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
-        est = _Estimate(fleet_rate, interference)
+        est = _Estimate(fleet_rate, interference, self.waits(table.queued_s, table.unpriced, fleet_rate))
         depth, host = table.depth, table.host_depth
         held = depth if host is None else [d + h for d, h in zip(depth, host)]
         if any(held):
@@ -212,20 +230,20 @@ class KVRoutePolicy(Policy):
                     est.longest, est.top = c, i
                 elif c == est.longest:
                     est.top = -1
-            queued = table.queued
             owners = list(cached)
-            own = self.ttfts([queued[i] + n - cached[i] for i in owners], [interference[i] for i in owners], fleet_rate)
+            waits, queued = [est.waits[i] for i in owners], [table.queued[i] for i in owners]
+            own = self.ttfts(waits, queued, [n - cached[i] for i in owners], [interference[i] for i in owners], fleet_rate)
             est.own_ts = dict(zip(owners, own))
         return est
 
-    def _clear_owner(self, est: "_Estimate", queued: Sequence[int], n: int, saturated: bool) -> bool:
+    def _clear_owner(self, est: "_Estimate", n: int, saturated: bool) -> bool:
         """Whether the one owner with the longest prefix (admissible, nobody KV-short)
-        is eligible, without the other candidates' TTFTs: ``lb`` (the least queue's
+        is eligible, without the other candidates' TTFTs: ``lb`` (the shortest wait's
         uncached TTFT without interference, or an owner's) bounds the best admissible
         TTFT from below, and the slack grows with the best, so an owner within the
         slack of ``lb`` is within the slack of the best, and the unique longest
         eligible owner wins the full pass too."""
-        lb = min((min(queued) + n) / est.fleet_rate, min(est.own_ts.values()))
+        lb = min(min(est.waits) + n / est.fleet_rate, min(est.own_ts.values()))
         return est.own_ts[est.top] <= lb + self._per_token(lb, n, est.fleet_rate, saturated) * est.longest
 
     @staticmethod
@@ -288,17 +306,18 @@ class KVRoutePolicy(Policy):
 
 
 class _Estimate:
-    """What ``_estimate`` finds for one request: ``cached`` and ``own_ts`` by owner
-    position; ``top``, the one owner with the longest prefix (-1: none, or shared).
+    """What ``_estimate`` finds for one request: each candidate's queue ``waits``
+    (seconds); ``cached`` and ``own_ts`` by owner position; ``top``, the one owner with the longest prefix (-1: none, or shared).
     An owner whose prefix reaches into its host tier has ``cached`` less the copy's
     price, in ``held`` the tokens it will actually report cached, and in
     ``on_device`` those its device cache holds."""
 
-    __slots__ = ("fleet_rate", "interference", "cached", "own_ts", "longest", "top", "held", "on_device")
+    __slots__ = ("fleet_rate", "interference", "waits", "cached", "own_ts", "longest", "top", "held", "on_device")
 
-    def __init__(self, fleet_rate: float, interference: Sequence[float]) -> None:
+    def __init__(self, fleet_rate: float, interference: Sequence[float], waits: list[float]) -> None:
         self.fleet_rate = fleet_rate
         self.interference = interference
+        self.waits = waits
         self.cached: dict[int, int] = {}
         self.held: dict[int, int] = {}
         self.on_device: dict[int, int] = {}

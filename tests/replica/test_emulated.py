@@ -14,6 +14,7 @@ from kvroute.replica.config import EngineConfig
 from kvroute.replica.emulated import EmulatedModel, step_seconds
 from kvroute.replica.engine import Engine
 from kvroute.replica.profiles import PROFILES, STEP_PROFILES, StepProfile, get_profile
+from kvroute.replica.step_cost import attention_pairs
 from kvroute.replica.sampling_params import SamplingParams
 
 PROFILE = "gpu_h100_llama3_8b"
@@ -150,3 +151,21 @@ def test_saved_gpu_profiles_load_by_name_and_drive_the_emulated_engine(name, tin
     engine = Engine(EngineConfig(model=str(tiny_llama_path), block_size=8, emulate=name, time_scale=0.001, num_kv_blocks=64))
     engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=3))
     assert len(run(engine)["a"]) == 3
+
+
+def test_a_cpu_profile_prices_prefill_attention_by_position(tiny_llama_path):
+    """``cpu_avx2_slow`` (issue 31's machine): a chunk deep in a long prompt costs
+    more than the same chunk at its start, by the attention pairs it computes, and the
+    6.5k-token prompt of the issue takes its measured ~49 s."""
+    profile = get_profile("cpu_avx2_slow")
+    engine = emulated(tiny_llama_path, max_num_batched_tokens=32, step_target_s=None)
+    engine.add_request("long", list(range(1000, 1000 + 96)), SamplingParams(max_tokens=1))
+    first = engine.scheduler.schedule()
+    engine.scheduler.update_after_step(first)
+    second = engine.scheduler.schedule()
+    assert step_seconds(profile, first) == pytest.approx(profile.step_time(32, 0, 0, attention_pairs(0, 32)))
+    assert step_seconds(profile, second) == pytest.approx(profile.step_time(32, 0, 0, attention_pairs(32, 64)))
+    deep = profile.step_time(512, 0, 0, attention_pairs(6000, 6512))
+    assert deep > 2.5 * profile.step_time(512, 0, 0, attention_pairs(0, 512))
+    whole = sum(profile.step_time(512, 0, 0, attention_pairs(s, min(s + 512, 6525))) for s in range(0, 6525, 512))
+    assert 45 < whole < 55

@@ -103,6 +103,42 @@ def test_decode_interference_counts():
     assert d.replica_id == "a"
 
 
+def test_a_queue_is_priced_as_its_replica_estimated_it():
+    """Issue 31: a long prompt's tail (4,477 tokens at positions 2k-6.5k: 40 s on a slow
+    CPU) weighs more than 6,000 tokens of short prompts (3 s): tokens at one rate
+    predicted the opposite and sent short requests to wait behind the long prefill."""
+    p = KVRoutePolicy(step_tokens=2048)
+    rate = dict(prefill_tokens_per_s=500.0, decode_step_s=0.05)
+    tail = ReplicaLoad(num_running=1, queued_prefill_tokens=4477, queued_prefill_s=40.0, **rate)
+    shorts = ReplicaLoad(num_running=12, queued_prefill_tokens=6000, queued_prefill_s=3.0, **rate)
+    assert p.predict_ttft(tail, 20) == pytest.approx(40.0 + 20 / 500 + 3 * 0.05)
+    assert p.predict_ttft(shorts, 20) == pytest.approx(3.0 + 20 / 500 + 3 * 0.05)
+    d = p.choose(RouteRequest(H[:1], 20, ["tail", "shorts"]), View({}, {"tail": tail, "shorts": shorts}))
+    assert (d.replica_id, d.reason) == ("shorts", "cold")
+    # without estimates both queues are tokens at the fleet's rate: the tail looks shorter (the old mistake)
+    loads = {"tail": ReplicaLoad(num_running=1, queued_prefill_tokens=4477, **rate),
+             "shorts": ReplicaLoad(num_running=12, queued_prefill_tokens=6000, **rate)}  # fmt: skip
+    assert p.choose(RouteRequest(H[:1], 20, ["tail", "shorts"]), View({}, loads)).replica_id == "tail"
+    # what was routed since the report is priced at the fleet's rate, on top of the estimate
+    routed = ReplicaLoad(queued_prefill_tokens=1500, queued_prefill_s=1.0, unpriced_tokens=500, **rate)
+    assert p.predict_ttft(routed, 20) == pytest.approx(1.0 + 520 / 500)
+
+
+def test_the_router_prices_reports_and_increments():
+    from kvroute.replica.kv_events import KVEvents, LoadFigures
+
+    r = Router(KVRoutePolicy(), 16)
+    for rid in ("long", "idle"):
+        r.add_replica(rid, 1000)
+    rate = dict(prefill_tokens_per_s=500.0, decode_step_s=0.05)
+    r.apply(KVEvents("long", 1, load=LoadFigures(num_running=1, queued_prefill_tokens=4477, queued_prefill_s=40.0, **rate)))
+    r.apply(KVEvents("idle", 1, load=LoadFigures(num_running=8, queued_prefill_tokens=6000, queued_prefill_s=3.0, **rate)))
+    for _ in range(5):
+        assert r.route(H[:1], 20).replica_id == "idle"
+    # the first leaves its block pending there: the next four have 4 tokens to compute each
+    assert r.load("idle").unpriced_tokens == 20 + 4 * 4 and r.load("long").unpriced_tokens == 0
+
+
 def test_cold_cluster_spreads_load():
     r = Router(KVRoutePolicy(), 16)
     for i in range(4):
@@ -316,10 +352,13 @@ def test_owner_shortcut_decides_as_the_full_pass():
         step = [rng.random() * 0.05 if measured or rng.random() < 0.5 else 0.0 for _ in range(k)]
         waiting = [rng.choice([0, rng.randint(0, 30)]) for _ in range(k)]
         free = [rng.choice([math.inf, rng.randint(0, 400), rng.randint(0, 20000)]) for _ in range(k)]
+        queued = [rng.choice([0, rng.randint(0, 20000)]) for _ in range(k)]
+        queued_s = [rng.choice([0.0, rng.random() * 30.0]) if q else 0.0 for q in queued]  # the replica's own estimate
+        unpriced = [rng.randint(0, q) if s else q for q, s in zip(queued, queued_s)]
         table = CandidateTable(
             [f"r{i}" for i in range(k)],
             depth,
-            [rng.choice([0, rng.randint(0, 20000)]) for _ in range(k)],
+            queued,
             rate,
             running,
             step,
@@ -328,6 +367,8 @@ def test_owner_shortcut_decides_as_the_full_pass():
             waiting,
             free,
             measured and all(rate) and all(step),
+            queued_s,
+            unpriced,
             lambda positions: [50 + i for i in positions],  # room: the later candidates' caches are roomier
         )
         kw = dict(saturated_stick=rng.random() < 0.7, slack_rel=rng.choice([1.0, 1.2, 2.0]))

@@ -220,17 +220,23 @@ def test_same_candidate_list_each_call_and_membership_changes():
 def test_load_columns_follow_reports_and_increments():
     r, _ = cluster(2, First())
     cols = r.loads.columns(r.loads.select(("r1", "r0")))
-    assert cols == ((0, 0), (0.0, 0.0), (0, 0), (0.0, 0.0), (0.0, 0.0), (0, 0), (0, 0), (1000, 1000), False)
-    fig = LoadFigures(num_waiting=2, num_running=3, queued_prefill_tokens=70, kv_usage=0.5,
+    assert cols == ((0, 0), (0.0, 0.0), (0, 0), (0.0, 0.0), (0.0, 0.0), (0, 0), (0, 0), (1000, 1000), False,
+                    (0.0, 0.0), (0, 0))  # fmt: skip
+    fig = LoadFigures(num_waiting=2, num_running=3, queued_prefill_tokens=70, queued_prefill_s=2.5, kv_usage=0.5,
                       prefill_tokens_per_s=900.0, decode_step_s=0.04)
     r.apply(KVEvents("r0", 1, load=fig))
     r.loads.on_routed("r0", 30)
     r.loads.on_routed("r0", -5)  # nothing uncached: no queued tokens added
     assert r.loads.columns(r.loads.select(("r1", "r0"))) == (
-        (0, 100), (0.0, 900.0), (0, 3), (0.0, 0.04), (0.0, 0.04), (0, 7), (0, 4), (1000, 500), False
+        (0, 100), (0.0, 900.0), (0, 3), (0.0, 0.04), (0.0, 0.04), (0, 7), (0, 4), (1000, 500), False,
+        (0.0, 2.5), (0, 30),  # r0 priced the 70 it reported; the 30 routed since are unpriced
+    )  # fmt: skip
+    r.apply(KVEvents("r1", 1, load=LoadFigures(queued_prefill_tokens=40, prefill_tokens_per_s=800.0, decode_step_s=0.05)))
+    assert r.loads.columns(r.loads.select(("r0",))) == (
+        (100,), (900.0,), (3,), (0.04,), (0.04,), (7,), (4,), (500,), True, (2.5,), (30,)
     )
-    r.apply(KVEvents("r1", 1, load=LoadFigures(prefill_tokens_per_s=800.0, decode_step_s=0.05)))
-    assert r.loads.columns(r.loads.select(("r0",))) == ((100,), (900.0,), (3,), (0.04,), (0.04,), (7,), (4,), (500,), True)
-    assert r.loads.columns(r.loads.select(("r1", "r0")))[4:] == ((0.0, 0.04), (0, 7), (0, 4), (1000, 500), True)  # r1: no decodes
+    assert r.loads.columns(r.loads.select(("r1", "r0")))[4:] == (
+        (0.0, 0.04), (0, 7), (0, 4), (1000, 500), True, (0.0, 2.5), (40, 30)  # r1: no decodes, no estimate
+    )
     L = r.load("r0")
-    assert (L.queued_prefill_tokens, L.in_flight, L.queue_len) == (100, 2, 7)
+    assert (L.queued_prefill_tokens, L.queued_prefill_s, L.unpriced_tokens, L.in_flight, L.queue_len) == (100, 2.5, 30, 2, 7)
