@@ -1,0 +1,96 @@
+"""``serve-replica --kv-events-config`` publishing vLLM's wire format over real ZMQ into a
+``KVEventSubscriber`` feeding a real ``RouterService``: after each request, with
+evictions, the router's directory equals the engine's cached blocks; a subscriber that
+joins later catches up through the replay endpoint."""
+
+import pytest
+from openai import OpenAI
+
+from kvroute.cluster.kv_subscriber import KVEventSubscriber
+from kvroute.cluster.router_actor import RouterService
+from kvroute.deploy.kv_event_publisher import KVEventsConfig
+from kvroute.deploy.replica_server import build_replica_server
+from kvroute.replica.block_hash import hash_blocks
+from kvroute.replica.config import EngineConfig
+from tests.cluster.vllm_worker import free_ports
+from tests.conftest import wait_until
+from tests.deploy.server import running
+
+NUM_BLOCKS = 14
+
+
+def _prompts() -> list[tuple[list[int], str | None]]:
+    shared = list(range(200, 224))  # 3 blocks of 8
+    out = [(shared + [300 + i] * 17, None) for i in range(4)]  # 5 full blocks each
+    out.append((shared + [300] * 17, "tenant-b"))
+    return out + [(list(range(400, 441)), None), (shared + [301] * 17, None)]
+
+
+def _subscriber(spec, svc, cfg, replay=True):
+    sub = KVEventSubscriber("w0", cfg.endpoint, spec, [svc], NUM_BLOCKS,
+                            replay_endpoint=cfg.replay_endpoint if replay else None, heartbeat_s=0.2)  # fmt: skip
+    sub.start()
+    return sub
+
+
+def test_serve_replica_events_rebuild_the_engine_cache_in_the_directory(tiny_llama_path):
+    p1, p2 = free_ports(2)
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{p1}",
+                         replay_endpoint=f"tcp://127.0.0.1:{p2}")  # fmt: skip
+    config = EngineConfig(model=str(tiny_llama_path), block_size=8, num_kv_blocks=NUM_BLOCKS, max_model_len=128,
+                          dtype="float32", hash_seed=11)  # fmt: skip
+    app, engine = build_replica_server(config, kv_events=cfg, served_model_name="tiny")
+    spec = engine.hash_spec
+    kv = engine.engine.kv
+    svc = RouterService(spec)
+    sub = _subscriber(spec, svc, cfg)
+    try:
+        with running(app) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="x")
+            wait_until(lambda: "w0" in svc.replicas(), 10, "the worker's registration")
+            ever: set[int] = set()
+            for tokens, salt in _prompts():
+                client.completions.create(model="tiny", prompt=tokens, max_tokens=3, temperature=0,
+                                          extra_body={"cache_salt": salt} if salt else None)  # fmt: skip
+                ever.update(hash_blocks(spec, tokens, cache_salt=salt))
+                wait_until(lambda: set(svc.directory("w0")) == set(kv.cached_block_hashes()), 10,
+                           "the directory to equal the engine's cache")  # fmt: skip
+                assert set(hash_blocks(spec, tokens, cache_salt=salt)[: len(tokens) // 8]) <= set(svc.directory("w0"))
+            final = set(svc.directory("w0"))
+            assert not ever <= final, "the trace evicts blocks"
+            assert sub.stats()["gaps"] == 0 and sub.stats()["orphans"] == 0 and sub.stats()["events"] > 0
+            # a subscriber joining now catches up from the replay buffer, into a fresh router
+            late_svc = RouterService(spec)
+            late = _subscriber(spec, late_svc, cfg)
+            try:
+                wait_until(lambda: "w0" in late_svc.replicas() and set(late_svc.directory("w0")) == final, 10,
+                           "the late subscriber's replay")  # fmt: skip
+                assert late.stats()["replays"] == 1 and late.stats()["last_seq"] == sub.stats()["last_seq"]
+            finally:
+                late.stop()
+            # without a replay endpoint it starts from what it sees next
+            blind_svc = RouterService(spec)
+            blind = _subscriber(spec, blind_svc, cfg, replay=False)
+            try:
+                wait_until(lambda: "w0" in blind_svc.replicas(), 10, "the blind subscriber's registration")
+                assert blind_svc.directory("w0") == []
+                tokens = list(range(500, 517))
+                client.completions.create(model="tiny", prompt=tokens, max_tokens=1, temperature=0)
+                wait_until(lambda: set(blind_svc.directory("w0")) == set(hash_blocks(spec, tokens)), 10,
+                           "the blind subscriber's directory")  # fmt: skip
+            finally:
+                blind.stop()
+        assert kv.pool.num_free_blocks == NUM_BLOCKS  # nothing leaked
+    finally:
+        sub.stop()
+
+
+def test_kv_events_config_errors():
+    with pytest.raises(ValueError, match="unknown keys"):
+        KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpointt": "tcp://*:1"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        KVEventsConfig.from_json("{")
+    with pytest.raises(ValueError, match="publisher"):
+        KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "kafka"}')
+    assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
