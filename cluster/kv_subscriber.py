@@ -100,6 +100,13 @@ class KVEventSubscriber:
             for link in self._links:
                 link.publisher.add(KVEvents(self.worker_id, 0, load=load))
 
+    def ingest(self, frames: list[bytes]) -> None:
+        """One message of the worker's stream, ``(topic, seq, payload)``, into every
+        router (what the thread does with each message it receives)."""
+        with self._lock:
+            self._on_frames(frames)
+            self._send_all()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s, c = self.stream, self.stream.cache.counters
@@ -118,10 +125,7 @@ class KVEventSubscriber:
         next_beat = time.monotonic() + self.heartbeat_s
         while not self._stop.is_set():
             if sub.poll(timeout=min(100, int(self.heartbeat_s * 1000))):
-                frames = sub.recv_multipart()
-                with self._lock:
-                    self._on_frames(frames)
-                    self._send_all()
+                self.ingest(sub.recv_multipart())
                 next_beat = time.monotonic() + self.heartbeat_s
             elif time.monotonic() >= next_beat:
                 with self._lock:

