@@ -14,7 +14,8 @@ missing batches; without one, or when the worker no longer buffers them, the wor
 blocks are dropped (every router gets an empty snapshot) and rebuilt from new events.
 
 ``routers`` are Ray actor handles (``.register.remote``, ``.push.remote``) or plain
-objects with the same methods (a ``RouterService``), called directly.
+objects with the same methods (a ``RouterService``), called directly. ``stop`` takes the
+worker out of every router (``remove_replica``).
 """
 
 from __future__ import annotations
@@ -88,10 +89,16 @@ class KVEventSubscriber:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and take the worker out of every router (it leaves)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._ctx.destroy(linger=0)
+        for link in self._links:
+            try:
+                _call(link.router, "remove_replica", self.worker_id)
+            except Exception as exc:  # a router that is down forgets it when it restarts
+                log.info("worker %s: could not unregister (%r)", self.worker_id, exc)
 
     def set_load(self, load: LoadFigures) -> None:
         """The worker's load figures (polled elsewhere): they ride on the next message."""

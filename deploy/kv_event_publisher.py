@@ -46,6 +46,11 @@ class KVEventsConfig:
     topic: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv events enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv events {name} must be a string, got {getattr(self, name)!r}")
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if self.publisher not in ("zmq", "null"):

@@ -15,6 +15,7 @@ from kvroute.deploy.kv_event_publisher import KVEventsConfig
 from kvroute.deploy.replica_server import build_replica_server
 from kvroute.replica.block_hash import hash_blocks
 from kvroute.replica.config import EngineConfig
+from kvroute.replica.kv_events import LoadFigures
 from tests.cluster.vllm_worker import free_ports
 from tests.conftest import wait_until
 from tests.deploy.server import running
@@ -135,8 +136,13 @@ def test_a_gap_is_replayed_or_resynced(worker, replay):
             assert stats["resyncs"] == 1
             assert set(gapped.directory("w0")) < set(whole.directory("w0"))
             assert not set(hash_blocks(spec, prompts[0])) & set(gapped.directory("w0"))  # dropped with the gap
+        subs[1].set_load(LoadFigures(num_running=3, num_waiting=1))
+        subs[1].ingest([b"", b"\x00" * 7, b""])  # a bad message: dropped, counted
+        assert subs[1].stats()["bad_batches"] == 1
+        assert gapped.router.loads.figures("w0") == LoadFigures(num_running=3, num_waiting=1)
         for sub in subs:
             sub.stop()
+        assert whole.replicas() == [] and gapped.replicas() == []  # a stopped subscriber's worker leaves
     finally:
         ctx.destroy(linger=0)
 
@@ -146,6 +152,8 @@ def test_kv_events_config_errors():
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpointt": "tcp://*:1"}')
     with pytest.raises(ValueError, match="not JSON"):
         KVEventsConfig.from_json("{")
+    with pytest.raises(ValueError, match="true or false"):
+        KVEventsConfig.from_json('{"enable_kv_cache_events": "yes"}')
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "kafka"}')
     assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
