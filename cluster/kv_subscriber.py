@@ -2,8 +2,9 @@
 ``kvroute serve-replica --kv-events-config``), so the directory holds what each
 worker caches (ARCHITECTURE.md §3.3, external workers).
 
-One ``KVEventSubscriber`` per worker: a thread with a ZMQ SUB socket on the worker's
-``endpoint`` turns each batch into kvroute ``KVEvents`` (``router/vllm_events.py``:
+One ``KVEventSubscriber`` per worker: a thread with a ZMQ SUB socket connected to the
+worker's ``endpoint`` (bound instead when it has a wildcard address, for a worker whose
+publisher connects, as vLLM's does to a non-wildcard endpoint) turns each batch into kvroute ``KVEvents`` (``router/vllm_events.py``:
 ``WorkerStream``) and sends them to every router, as an engine replica's
 ``_RouterLink`` does: per router its own ``EventPublisher`` (own ``seq``), a fresh
 registration with a snapshot of the worker's blocks (the stream's own mirror) whenever
@@ -84,7 +85,10 @@ class KVEventSubscriber:
             raise RuntimeError("KVEventSubscriber already started")
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self.endpoint)
+        if "*" in self.endpoint:  # the worker's publisher connects to us (vLLM: a non-wildcard endpoint)
+            sub.bind(self.endpoint)
+        else:
+            sub.connect(self.endpoint)
         self._thread = threading.Thread(target=self._run, args=(sub,), name=f"kv-sub-{self.worker_id}", daemon=True)
         self._thread.start()
 

