@@ -46,6 +46,7 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
            "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
            "--max-model-len", "384", "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--dtype", "float32",
+           "--optimization-level", "0",  # no torch.compile: starts in seconds, not minutes
            "--kv-events-config", json.dumps(events)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     with open(log, "w") as out:
