@@ -14,6 +14,9 @@ cache). On a gap in the worker's ``seq`` it asks the ``replay_endpoint`` for the
 missing batches; without one, or when the worker no longer buffers them, the worker's
 blocks are dropped (every router gets an empty snapshot) and rebuilt from new events.
 
+A vLLM worker with data parallelism publishes one stream per rank (``endpoint``'s port
+plus the rank): one subscriber, and one worker id, per rank.
+
 ``routers`` are Ray actor handles (``.register.remote``, ``.push.remote``) or plain
 objects with the same methods (a ``RouterService``), called directly. ``stop`` takes the
 worker out of every router (``remove_replica``).

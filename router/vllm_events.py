@@ -34,7 +34,9 @@ chain hangs off ``root_hash(spec, request_salt(cache_salt, lora_name))``, so sal
 LoRA adapters never share blocks, as in vLLM. ``WorkerCache`` keeps the engine-hash ->
 kvroute-hash map that removals need and forgets an entry once no tier holds the block;
 repeated stores of one engine hash (two physical blocks, or the offloading connector's
-re-announcements) are reference-counted, as vLLM asks of consumers. Blocks it cannot
+re-announcements) are reference-counted, as vLLM asks of consumers (a request sent
+with ``kv_cache_report_mode="full"`` re-announces its reused blocks without a new copy:
+such a block stays counted until the directory's LRU bound drops it). Blocks it cannot
 key exactly are left out, and with them every block chained on them: a parent it never
 saw (history lost), multimodal or prompt-embedding extra keys, a block size other than
 the spec's, a KV cache group other than 0, a medium other than GPU (device tier) or CPU
