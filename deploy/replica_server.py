@@ -2,7 +2,9 @@
 same OpenAI API, no Ray. Besides the OpenAI routes it answers the endpoints that other
 routers probe their workers with (``/get_model_info``, ``/get_server_info``,
 ``/get_load`` for sglang-router; ``/load`` for vllm-router), so several of these
-servers can stand behind such a router on the same engine settings as ours.
+servers can stand behind such a router on the same engine settings as ours. With
+``kv_events`` enabled it publishes its cache changes on vLLM's ZMQ KV event format
+(``deploy/kv_event_publisher.py``), as a vLLM worker does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI
 
 from kvroute.deploy.api import build_api
+from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
 from kvroute.cluster.messages import RouteTrace
 from kvroute.deploy.serving import OpenAIServing, ServerLimits
@@ -51,11 +54,15 @@ class EngineBackend:
 
 
 def build_replica_server(
-    config: EngineConfig, limits: ServerLimits = ServerLimits(), served_model_name: Optional[str] = None
+    config: EngineConfig, limits: ServerLimits = ServerLimits(), served_model_name: Optional[str] = None,
+    kv_events: KVEventsConfig = KVEventsConfig(),
 ) -> tuple[FastAPI, AsyncEngine]:
     """The ASGI app of one engine, and the engine (loaded here, before serving)."""
     engine = Engine(config)
     async_engine = AsyncEngine(engine)
+    if kv_events.enabled:
+        publisher = ZmqKVEventPublisher(kv_events)
+        async_engine.add_event_listener(lambda events: publisher.publish(vllm_events(engine.kv, events)))
     name = served_model_name or config.model
     serving = OpenAIServing(
         name,
@@ -102,12 +109,16 @@ def build_replica_server(
             stats = await load()
             return {"server_load": stats.num_running + stats.num_waiting}
 
-    return build_api(serving, metrics, extra_routes), async_engine
+    app = build_api(serving, metrics, extra_routes)
+    if kv_events.enabled:
+        app.router.on_shutdown.append(publisher.close)
+    return app, async_engine
 
 
-def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimits, served_model_name: Optional[str] = None) -> None:
+def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimits, served_model_name: Optional[str] = None,
+                  kv_events: KVEventsConfig = KVEventsConfig()) -> None:  # fmt: skip
     """Load the engine and serve until interrupted (Ctrl-C stops cleanly)."""
     import uvicorn
 
-    app, _ = build_replica_server(config, limits, served_model_name)
+    app, _ = build_replica_server(config, limits, served_model_name, kv_events)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -36,6 +36,10 @@ class Block:
     # Token ids the block was hashed from: a hit is verified against them, so a hash
     # collision can never serve another prefix's KV.
     token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Its parent's hash (None: a chain's first block) and, on a first block, the
+    # request's cache salt: what an external event stream needs to name the block.
+    parent_hash: BlockHash | None = field(default=None, repr=False)
+    salt: str | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
@@ -79,6 +83,9 @@ class BlockPool:
             return None
         return block
 
+    def cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self._cached.get(block_hash)
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Snapshot of every hash currently in the cache (for a router resync)."""
         return list(self._cached)
@@ -118,7 +125,10 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = None
 
-    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+    def cache_block(
+        self, block: Block, block_hash: BlockHash, token_ids: Sequence[int],
+        parent_hash: BlockHash | None = None, salt: str | None = None,
+    ) -> bool:
         """Register a full, computed block under ``block_hash``.
 
         Returns False (and leaves the block uncached) when caching is off or another
@@ -130,6 +140,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash, block.salt = parent_hash, salt
         self._cached[block_hash] = block
         self._events.note(block_hash, True)
         return True

@@ -192,3 +192,44 @@ def test_serve_replica_with_a_host_kv_tier_reports_the_restored_tokens(tiny_llam
     finally:
         output = stop_cli(proc, lines)
     assert proc.returncode == 0, output
+
+
+def test_serve_replica_publishes_kv_events_like_vllm(tiny_llama_path):
+    """``--kv-events-config`` with vLLM's keys: a subscriber on the endpoint rebuilds
+    the prompt's blocks, and a bad config exits 2 before the engine loads."""
+    import httpx
+
+    from kvroute.cluster.kv_subscriber import KVEventSubscriber
+    from kvroute.cluster.router_actor import RouterService
+    from kvroute.replica.block_hash import HashSpec, hash_blocks
+    from tests.conftest import free_port, wait_until
+
+    port, events_port = free_port(), free_port()
+    cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"})
+    proc, lines = start_cli(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port), *ENGINE_ARGS,
+                             "--served-model-name", "tiny", "--kv-events-config", cfg], "serving")  # fmt: skip
+    spec = HashSpec(8, seed=1, model_id="any")  # the directory's own keys, whatever the worker hashes with
+    svc = RouterService(spec)
+    sub = KVEventSubscriber("w", f"tcp://127.0.0.1:{events_port}", spec, [svc], 32)
+    sub.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(url), 240, "the server")
+        prompt = list(range(10, 30))
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        wait_until(lambda: svc.directory("w") == hash_blocks(spec, prompt), 30, "the prompt's blocks")
+    finally:
+        sub.stop()
+        output = stop_cli(proc, lines)
+    assert proc.returncode == 0, output
+    assert main(["serve-replica", "--model", str(tiny_llama_path), "--kv-events-config", '{"endpont": 1}']) == 2
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.ConnectError:
+        return False
