@@ -1,0 +1,150 @@
+"""Routers at many ingresses, simulated: the curve past what 2 cores emulate (issue 30).
+
+    python -m kvroute.benchmarks.router_scale [--ingresses 1,2,4,8,16,32,64] [--replicas 16]
+        [--scenarios b2b,zipf,multi-tenant] [--loads 0.85,0.95] [--peer-delay 0.002]
+        [--profile gpu_h100_llama3_8b] [--scale 1.0] [--out-dir results/router_scale]
+
+Clients are spread evenly over I ingresses (the simulator's routers take the arrivals
+in turn). Each cell runs, on the same trace and fleet (``fleet_matrix``'s scenarios,
+profiles and KV sizing):
+
+- ``kvroute/1``: one router for every ingress (today's default: the I ingresses share
+  one router actor);
+- ``kvroute/N=I``: I routers, each fed every replica's KV events and load, their
+  decisions reaching the others ``--peer-delay`` later (the live staleness measured on
+  2 routers: p50 1.4 ms, p99 11 ms);
+- ``kvroute/indep``: I routers that never hear each other's decisions (exact cache,
+  but each sees only its own in-flight load);
+- ``sglang_router``, ``vllm_router``: I independent instances of their cache-aware
+  policies (``router/policies``), each with its own tree of the prompts it routed, the
+  way their users scale them;
+- ``prefix_affinity_ray``: Ray's PrefixCacheAffinityRouter, whose tree actor all
+  ingress replicas share (one router).
+
+Per cell: hit rate, TTFT p50/p90/p99, throughput, the predicted-vs-delivered cached
+tokens error; and the issue's targets: kvroute/N=I at I against kvroute at I = 1 (hit
+≥ 0.98 ×, p90 ≤ 1.1 ×), and against the best peer at the same I (p90 ≤ 0.5 × where the
+peers' per-instance trees lose hits). Outputs ``router_scale.json`` and ``table.md``
+in ``--out-dir``; one summary line. Simulated, not measured: say so when quoting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from kvroute.benchmarks import workloads as wl
+from kvroute.benchmarks.common import write_result
+from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, kv_blocks_of, workload_of
+from kvroute.benchmarks.router_report import markdown_table
+
+# variant -> (simulator policy, routers at I ingresses (None: I), peer delay (None: --peer-delay; -1: never))
+VARIANTS: dict[str, tuple[str, Optional[int], Optional[float]]] = {
+    "kvroute/1": ("kvroute", 1, 0.0),
+    "kvroute/N=I": ("kvroute", None, None),
+    "kvroute/indep": ("kvroute", None, -1.0),
+    "sglang_router": ("cache_aware_sglang", None, -1.0),
+    "vllm_router": ("cache_aware_vllm", None, -1.0),
+    "prefix_affinity_ray": ("prefix_affinity_ray", 1, 0.0),
+}
+PEERS = ("sglang_router", "vllm_router", "prefix_affinity_ray")
+METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tokens_per_s", "pred_cached_err")
+ROW_COLS = [("scenario", "scenario", "{}"), ("load", "load", "{:.2f}"), ("I", "ingresses", "{}"), ("router", "variant", "{}"),
+            ("N", "routers", "{}"), ("hit", "hit_rate", "{:.3f}"), ("p50 s", "ttft_p50_s", "{:.3f}"),
+            ("p90 s", "ttft_p90_s", "{:.3f}"), ("p99 s", "ttft_p99_s", "{:.3f}"), ("tok/s", "output_tokens_per_s", "{:.0f}"),
+            ("pred err", "pred_cached_err", "{:.3f}"), ("errors", "errors", "{}")]  # fmt: skip
+TARGET_COLS = [("scenario", "scenario", "{}"), ("load", "load", "{:.2f}"), ("I", "ingresses", "{}"),
+               ("hit / I=1", "hit_vs_I1", "{:.3f}"), ("p90 / I=1", "p90_vs_I1", "{:.2f}"), ("best peer", "best_peer", "{}"),
+               ("p90 / best peer", "p90_vs_best_peer", "{:.2f}"), ("hit / best peer", "hit_vs_best_peer", "{:.2f}")]  # fmt: skip
+
+
+def run_cell(workload: wl.Workload, profile: Any, cfg: Any, variant: str, ingresses: int, peer_delay: float) -> dict[str, Any]:
+    from kvroute.benchmarks.sim.simulator import Simulation
+
+    policy, routers, delay = VARIANTS[variant]
+    at = dataclasses.replace(cfg, num_routers=routers or ingresses, peer_delay_s=peer_delay if delay is None else delay)
+    t0 = time.perf_counter()
+    m = Simulation(workload, policy, profile, at).run()
+    row = {k: m[k] for k in METRICS}
+    row.update(variant=variant, ingresses=ingresses, routers=at.num_routers, wall_s=round(time.perf_counter() - t0, 2),
+               errors=m["num_requests"] - m["completed"])  # fmt: skip
+    return row
+
+
+def run_scenario(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvroute.benchmarks.sim.simulator import SimConfig, estimate_capacity
+    from kvroute.replica.profiles import get_profile
+
+    profile = get_profile(args.profile)
+    workload = workload_of(name, args.scale, 1.0, args.seed)
+    cfg = SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica),
+                    block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
+    capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
+    rows = []
+    for load in (float(x) for x in args.loads.split(",")):
+        stamped = wl.with_poisson_arrivals(workload, load * capacity, seed=args.seed)
+        for ingresses in (int(x) for x in args.ingresses.split(",")):
+            for variant in args.variants.split(","):
+                row = run_cell(stamped, profile, cfg, variant, ingresses, args.peer_delay)
+                row.update(scenario=name, load=load, rate=round(load * capacity, 3))
+                rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (scenario, load, I): kvroute/N=I against kvroute at I = 1 and the best peer."""
+    by = {(r["scenario"], r["load"], r["ingresses"], r["variant"]): r for r in rows}
+    out = []
+    for (scen, load, i, variant), r in sorted(by.items()):
+        base = by.get((scen, load, 1, "kvroute/N=I"))
+        if variant != "kvroute/N=I" or base is None:
+            continue
+        peers = [by[(scen, load, i, p)] for p in PEERS if (scen, load, i, p) in by]
+        best = min(peers, key=lambda p: p["ttft_p90_s"]) if peers else None
+        out.append({
+            "scenario": scen, "load": load, "ingresses": i,
+            "hit_vs_I1": r["hit_rate"] / max(base["hit_rate"], 1e-12),
+            "p90_vs_I1": r["ttft_p90_s"] / max(base["ttft_p90_s"], 1e-12),
+            "best_peer": best and best["variant"],
+            "p90_vs_best_peer": best and r["ttft_p90_s"] / max(best["ttft_p90_s"], 1e-12),
+            "hit_vs_best_peer": best and r["hit_rate"] / max(best["hit_rate"], 1e-12),
+        })  # fmt: skip
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ingresses", default="1,2,4,8,16,32,64")
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--scenarios", default="b2b,zipf,multi-tenant")
+    p.add_argument("--loads", default="0.85,0.95")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--peer-delay", type=float, default=0.002, help="seconds until a decision reaches the other routers")
+    p.add_argument("--profile", default="gpu_h100_llama3_8b")
+    p.add_argument("--scale", type=float, default=1.0, help="workload size (requests, groups)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="results/router_scale")
+    args = p.parse_args(argv)
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; one of {sorted(VARIANTS)}")
+    rows = [row for name in args.scenarios.split(",") for row in run_scenario(name, args)]
+    checks = targets(rows)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(markdown_table(rows, ROW_COLS) + "\n\n" + markdown_table(checks, TARGET_COLS) + "\n")
+    widest = max((c for c in checks if c["ingresses"] == max(int(x) for x in args.ingresses.split(","))), default=None,
+                 key=lambda c: c["p90_vs_I1"])  # fmt: skip
+    summary = "router_scale (simulated): " + (
+        f"{len(rows)} cells; at I={widest['ingresses']} kvroute/N=I worst p90 {widest['p90_vs_I1']:.2f}x and hit "
+        f"{widest['hit_vs_I1']:.3f}x of I=1 ({widest['scenario']} @ {widest['load']})" if widest else f"{len(rows)} cells"
+    )
+    write_result("router_scale", {"args": vars(args), "rows": rows, "targets": checks}, summary, str(out / "router_scale.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
