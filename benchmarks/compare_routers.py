@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvroute.benchmarks import serving
+from kvroute.benchmarks import cpu_account, serving
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.fleets import (
     EXTERNAL_ROUTERS, SERVE_ROUTERS, SERVED_NAME, ExternalFleet, Fleet, ServeFleet, external_available, per_replica,
@@ -176,9 +176,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = fleet.start(router)
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
                 before, routing_before = fleet.counters(), fleet.router_counters()
+                cpu_before, t0 = cpu_account.snapshot(), time.perf_counter()
                 r, events = asyncio.run(_measure(fleet, info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
                                                  decode, args))  # fmt: skip
-                run_info = {"router": router, **info, **events}
+                cpu = cpu_account.usage(cpu_before, cpu_account.snapshot(), time.perf_counter() - t0)
+                run_info = {"router": router, **info, **events, "cpu": cpu, "fleet_cpu_cores": cpu["cores"]}
+                print(f"  fleet CPU: {cpu_account.describe(cpu)}", flush=True)
                 if before is not None:
                     time.sleep(1.5)  # the replicas' last metrics report
                     run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})

@@ -216,7 +216,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             ("capt", "captured_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
             ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("TPOT ms", "tpot_median_ms", "{:.1f}"),
             ("out tok/s", "out_tok_s", "{:.0f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}"),
-            ("pred err", "pred_cached_err", "{:.3f}")]
+            ("pred err", "pred_cached_err", "{:.3f}"), ("CPU cores", "cpu_cores", "{:.2f}")]
     return markdown_table(rows, cols)
 
 

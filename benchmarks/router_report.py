@@ -30,6 +30,7 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             # decision quality (kvroute's /metrics): the reuse the directory saw available and the
             # router captured, per offered token; peers have only delivered (hit) and best possible
             "available_rate": _share(routing, "available"), "captured_rate": _share(routing, "captured"),
+            "cpu_cores": r.get("fleet_cpu_cores"),  # the whole fleet's CPU (benchmarks/cpu_account.py)
         })  # fmt: skip
     return rows
 
@@ -44,7 +45,8 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             ("hit", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"),
             ("best", "best_hit_rate", "{:.3f}"), ("req/s", "req_s", "{:.2f}"),
             ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
-            ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}")]
+            ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}"),
+            ("CPU cores", "cpu_cores", "{:.2f}")]
     return markdown_table(rows, cols)
 
 
