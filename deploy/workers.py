@@ -241,6 +241,7 @@ class WorkersIngress:
         names = {name, source, os.path.basename(source.rstrip("/"))}
         self.pool = get_or_create_worker_pool(config, [w.model_dump() for w in parsed.workers or []], sorted(names),
                                               parsed.worker_poll_interval_s)  # fmt: skip
+        await self.pool.up_workers.remote()  # starts its poll loop (after a restart too: every call does)
         self.accuracy = DecisionQuality()
         limits = parsed.limits()
         backend = WorkersBackend(self.pool, self.router_actors, config.hash_spec, limits.request_timeout_s, self.accuracy)
