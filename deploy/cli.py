@@ -178,7 +178,9 @@ def serve_app_args(args: argparse.Namespace):
         urls = [u.strip() for u in args.workers.split(",") if u.strip()]
         app["workers"] = [{"url": u} for u in urls]
         app["worker_poll_interval_s"] = args.worker_poll_interval_s
-    return parse_args(app)
+    parsed = parse_args(app)
+    parsed.cluster_config()  # the engine settings' own checks, before anything starts
+    return parsed
 
 
 def _serve(args: argparse.Namespace) -> int:
