@@ -89,20 +89,21 @@ class _Worker:
     counters: dict[str, int] = field(default_factory=lambda: {"downs": 0, "ups": 0, "polls": 0})
 
 
-def parse_load(text: str, ticket: int) -> tuple[LoadFigures, Optional[int]]:
+def parse_load(text: str, ticket: int) -> tuple[LoadFigures, dict[str, int]]:
     """A worker's Prometheus text as ``LoadFigures`` (summed over its label sets), and
-    its KV capacity where it names one (vLLM's ``cache_config_info{num_gpu_blocks}``)."""
+    the integer fields of vLLM's ``cache_config_info`` where it exports it
+    (``num_gpu_blocks``, ``block_size``, …)."""
     values = {key: 0.0 for key in _GAUGES.values()}
-    capacity = None
+    cache: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _GAUGES:
                 values[_GAUGES[sample.name]] += sample.value
-            elif sample.name == "vllm:cache_config_info" and str(sample.labels.get("num_gpu_blocks", "")).isdigit():
-                capacity = int(sample.labels["num_gpu_blocks"])
+            elif sample.name == "vllm:cache_config_info":
+                cache = {k: int(v) for k, v in sample.labels.items() if v.isdigit()}
     figures = LoadFigures(num_waiting=int(values["num_waiting"]), num_running=int(values["num_running"]),
                           kv_usage=min(1.0, values["kv_usage"]), route_ticket=ticket)  # fmt: skip
-    return figures, capacity
+    return figures, cache
 
 
 def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> Any:
@@ -209,7 +210,7 @@ class WorkerPool:
             return
         await self._report(w)
 
-    async def _poll(self, w: _Worker) -> tuple[LoadFigures, Optional[int]]:
+    async def _poll(self, w: _Worker) -> tuple[LoadFigures, dict[str, int]]:
         ticket = time.time_ns() // 1000 - TRANSIT_MARGIN_US
         r = await self._client.get(w.spec.url + "/metrics")
         r.raise_for_status()
@@ -228,8 +229,12 @@ class WorkerPool:
             if not names & self.model_names:
                 raise ValueError(f"worker {w.spec.worker_id} serves {sorted(names)}, not this application's model "
                                  f"(one of {sorted(self.model_names)})")  # fmt: skip
-            w.load, capacity = await self._poll(w)
-            w.capacity = w.spec.capacity_blocks or capacity or await self._server_info_capacity(w)
+            w.load, cache = await self._poll(w)
+            block_size = self.config.hash_spec.block_size
+            if cache.get("block_size", block_size) != block_size:
+                raise ValueError(f"worker {w.spec.worker_id} has KV blocks of {cache['block_size']} tokens; this "
+                                 f"application hashes blocks of {block_size} (set --block-size to the workers')")  # fmt: skip
+            w.capacity = w.spec.capacity_blocks or cache.get("num_gpu_blocks") or await self._server_info_capacity(w)
         except (httpx.HTTPError, KeyError, TypeError, json.JSONDecodeError) as exc:
             w.last_error = f"probe failed: {exc!r}"
             return

@@ -202,3 +202,17 @@ def test_a_killed_workers_requests_are_retried_elsewhere_and_it_comes_back(fleet
     wait_until(lambda: _workers(fleet)["victim"]["state"] == "up", 30, "the victim back up")
     wait_until(lambda: all("victim" in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "victim registered")
     assert _admin(fleet, "DELETE", "/victim").status_code == 200
+
+
+def test_a_vllm_metrics_page_becomes_load_figures():
+    # vLLM 0.32's names and label sets (v1/metrics/loggers.py), one engine
+    text = (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 1.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25\n'
+    )
+    figures, cache = parse_load(text, 1234)
+    assert (figures.num_running, figures.num_waiting, figures.kv_usage, figures.route_ticket) == (3, 1, 0.25, 1234)
+    assert cache["num_gpu_blocks"] == 2048 and cache["block_size"] == 16
+    assert parse_load("", 0) == (parse_load("", 0)[0], {}) and parse_load("", 0)[0].num_running == 0
