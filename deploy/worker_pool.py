@@ -238,7 +238,8 @@ class WorkerPool:
         except (httpx.HTTPError, KeyError, TypeError, json.JSONDecodeError) as exc:
             w.last_error = f"probe failed: {exc!r}"
             return
-        w.model = models[0]["id"]
+        ids = [m["id"] for m in models]
+        w.model = next((i for i in ids if i in self.model_names), ids[0])  # the name to send it
         w.up, w.last_error = True, ""
         w.counters["ups"] += 1
         if w.spec.kv_events_endpoint:
