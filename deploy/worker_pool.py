@@ -106,8 +106,9 @@ def parse_load(text: str, ticket: int) -> tuple[LoadFigures, dict[str, int]]:
     return figures, cache
 
 
-def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> Any:
-    """The worker's KV event subscriber, started; None where this build has none."""
+async def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> Any:
+    """The worker's KV event subscriber, started; None where this build has none.
+    (Its ``start``/``stop`` may be plain or coroutines: both are taken.)"""
     try:
         from kvroute.cluster.kv_subscriber import KVEventSubscriber
     except ImportError:
@@ -116,7 +117,9 @@ def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, ro
         return None
     sub = KVEventSubscriber(worker_id, spec.kv_events_endpoint, config.hash_spec, routers, capacity,
                             replay_endpoint=spec.replay_endpoint)  # fmt: skip
-    sub.start()
+    started = sub.start()
+    if inspect.isawaitable(started):
+        await started
     return sub
 
 
@@ -243,7 +246,7 @@ class WorkerPool:
         w.up, w.last_error = True, ""
         w.counters["ups"] += 1
         if w.spec.kv_events_endpoint:
-            w.subscriber = start_subscriber(w.spec.worker_id, w.spec, self.config, self.routers, w.capacity)
+            w.subscriber = await start_subscriber(w.spec.worker_id, w.spec, self.config, self.routers, w.capacity)
         if w.subscriber is None:
             await self._register(w)
         log.info("worker %s (%s) is up: %s, %d KV blocks", w.spec.worker_id, w.spec.url, w.model, w.capacity)
