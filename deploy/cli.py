@@ -175,6 +175,9 @@ def serve_app_args(args: argparse.Namespace):
                     "request_timeout_s": limits.request_timeout_s},
     }  # fmt: skip
     if args.workers is not None:
+        if route["request_router_class"] != "kvroute":
+            raise ValueError(f"--router {args.router} is a Serve request router, which external workers do not go "
+                             "through; with --workers use kvroute or round_robin (the router actors' policies)")  # fmt: skip
         urls = [u.strip() for u in args.workers.split(",") if u.strip()]
         app["workers"] = [{"url": u} for u in urls]
         app["worker_poll_interval_s"] = args.worker_poll_interval_s

@@ -221,6 +221,7 @@ def test_engine_flags_people_from_vllm_expect():
         (["--engine-kwargs", '{"kv_cache_memory_gb": -1}'], "kv_cache_memory_gb"),
         (["--max-num-seqs", "0"], "max_num_seqs"),
         (["--workers", "http://127.0.0.1:8101,ftp://x"], "workers.1.url: Value error, url must be http(s)://"),
+        (["--workers", "http://127.0.0.1:8101", "--router", "power_of_two"], "with --workers use kvroute or round_robin"),
     ],
 )
 def test_bad_serve_flags_exit_2_before_anything_starts(extra, message, capsys):
