@@ -115,7 +115,8 @@ class AppArgs(_Strict):
     ``workers`` (even empty: they can be added at run time) the application routes to
     those external OpenAI-compatible servers (``deploy/workers.py``) and runs no engine
     replicas; the model folder then gives the workers' tokenizer, ``engine_kwargs``'
-    ``block_size`` their block size."""
+    ``block_size`` their block size, and ``router_policy`` routes them (no Serve request
+    router is involved)."""
 
     app_name: str = "kvroute"
     llm_configs: list[LLMConfig] = Field(min_length=1, max_length=1)

@@ -155,17 +155,22 @@ class WorkersBackend:
         except BaseException:
             await resp.aclose()
             raise
-        return self._relay(resp, first, chunks, wid)
+        return self._relay(resp, first, chunks, ranking, wid)
 
-    async def _relay(self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], wid: str) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], ranking: Ranking,
+                     wid: str) -> AsyncIterator[bytes]:  # fmt: skip
+        tail = first[-_TAIL_BYTES:]  # the stream's end: its usage chunk, with include_usage
         try:
             yield first
             async for chunk in chunks:
+                tail = (tail + chunk)[-_TAIL_BYTES:]
                 yield chunk
         except httpx.TransportError as exc:  # the worker died mid-stream: nothing to resume from
             await self._take_out(wid, repr(exc))
             body = error_body(503, f"worker {wid} failed mid-stream: {exc!r}", code="unavailable")
             yield b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+        else:
+            self._account(ranking, wid, _stream_usage(tail))
         finally:
             await resp.aclose()
 
@@ -207,6 +212,22 @@ class WorkersBackend:
             return
         self.accuracy.reuse.add(int(usage.get("prompt_tokens", 0)), ranking.available_tokens, ranking.expected_cached_tokens,
                                 delivered, ranking.reason)  # fmt: skip
+
+
+_TAIL_BYTES = 8192
+
+
+def _stream_usage(tail: bytes) -> Optional[dict[str, Any]]:
+    """The ``usage`` of an SSE stream's last chunk that has one (None without)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage")
+            except ValueError:
+                return None  # cut at the tail's start
+            if usage:
+                return usage
+    return None
 
 
 class _WorkerFailed(Exception):

@@ -125,19 +125,34 @@ def test_completions_and_chat_streamed_or_not_pass_the_workers_answers_through(f
         client.completions.create(model="another-model", prompt="x", max_tokens=2)
 
 
+def _delivered(fleet) -> float:
+    """``kvroute:reuse_tokens{figure="delivered"}``: the cached tokens the workers reported
+    on requests the router predicted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(fleet["url"] + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvroute:reuse_tokens_total" and s.labels["figure"] == "delivered")  # fmt: skip
+
+
 def test_prefix_sharing_prompts_land_on_the_worker_that_cached_them(fleet):
     client = _client(fleet["url"])
+    before, hits = _delivered(fleet), 0
     for i in range(4):
         prompt = f"Shared system prompt number {i} about the archive's many rules and its keepers. " * 10
         first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
         # a poll of the workers' /metrics (every 0.2 s) counts the finished request; until
         # then the router still counts it as the holder's queued prefill (no KV events here)
         time.sleep(0.5)
-        second = client.completions.create(model=MODEL, prompt=prompt + " And one more question?", max_tokens=2, temperature=0)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt + " And one more question?", max_tokens=2,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
         n = first.usage.prompt_tokens
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         why = (i, _workers(fleet), [ray.get(r.stats.remote())["decisions_by_reason"] for r in fleet["routers"]])
-        assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK, why  # routed to the holder
+        hits += chunks[-1].usage.prompt_tokens_details.cached_tokens
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK, why  # the holder
+    # decision quality counts what the workers reported, streamed answers included
+    assert _delivered(fleet) - before == hits
     metrics = httpx.get(fleet["url"] + "/metrics", timeout=10).text
     assert 'kvroute:router_replicas{model_name="tiny-workers"} 2.0' in metrics
     assert "kvroute:routing_decisions_total" in metrics
