@@ -52,6 +52,7 @@ from kvroute.benchmarks.fleets import (
     EXTERNAL_ROUTERS, SERVE_ROUTERS, SERVED_NAME, ExternalFleet, Fleet, ServeFleet, external_available, per_replica,
 )
 from kvroute.benchmarks.router_report import format_rows, write_outputs
+from kvroute.deploy.cli import parse_engine_kwargs
 
 
 # ---------------------------------------------------------------------- main
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, routers: list[str]) -> tuple[dict[str, Any], serving.LoadConfig]:
     """The engines' settings (one hash seed for every redeploy; emulation) and the load."""
-    engine_kwargs = dict(json.loads(args.engine_kwargs))
+    engine_kwargs = parse_engine_kwargs(args.engine_kwargs)
     engine_kwargs.setdefault("hash_seed", secrets.randbits(63))
     if args.emulate:
         engine_kwargs["emulate"] = args.emulate

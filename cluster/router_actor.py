@@ -115,6 +115,14 @@ class RouterService:
         self._last_seen[rid] = self.clock()
         return self.router.apply(batch)
 
+    def report_load(self, replica_id: str, load: LoadFigures) -> bool:
+        """An external worker's load figures (``deploy/worker_pool.py`` polls its
+        ``/metrics``); it counts as a sign of life. False: unknown here, register it."""
+        if not self.router.report_load(replica_id, load):
+            return False
+        self._last_seen[replica_id] = self.clock()
+        return True
+
     def remove_replica(self, replica_id: str) -> bool:
         self._last_seen.pop(replica_id, None)
         self._metrics.pop(replica_id, None)

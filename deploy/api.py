@@ -53,13 +53,18 @@ def build_api(
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
 
     # ------------------------------------------------------------------ routes
+    # A serving that forwards requests whole (deploy/workers.py) also takes the raw body.
+    raw = getattr(serving, "takes_raw_body", False)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completions(body))
+        work = serving.completions(body, await request.json()) if raw else serving.completions(body)
+        return await _respond(request, work)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body))
+        work = serving.chat(body, await request.json()) if raw else serving.chat(body)
+        return await _respond(request, work)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -168,7 +173,7 @@ def _field_of(error: dict[str, Any]) -> str:
 
 
 class _Guard:
-    """Pure ASGI middleware: the API key on /v1 routes (constant-time comparison) and
+    """Pure ASGI middleware: the API key on /v1 and /admin routes (constant-time comparison) and
     the body-size cap (413 as soon as the declared or received size passes it; the rest
     of the body is never read)."""
 
@@ -184,7 +189,7 @@ class _Guard:
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):  # mounted under a prefix (Serve's route_prefix)
             path = path[len(root) :]
-        if self.api_key is not None and path.startswith("/v1"):
+        if self.api_key is not None and path.startswith(("/v1", "/admin")):
             if not self._authorized(scope):
                 await _send_json(send, 401, error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
                 return

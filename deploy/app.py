@@ -24,6 +24,7 @@ from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError, R
 from kvroute.cluster.replica_deployment import build_engine_deployment
 from kvroute.deploy.errors import APIError
 from kvroute.deploy.serving import ServerLimits
+from kvroute.deploy.worker_pool import WorkerSpec
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.outputs import TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
@@ -110,11 +111,18 @@ class IngressSpec(ServerLimits):
 
 
 class AppArgs(_Strict):
-    """The ``args`` of ``deploy/serve.yaml`` (one model per application)."""
+    """The ``args`` of ``deploy/serve.yaml`` (one model per application). With
+    ``workers`` (even empty: they can be added at run time) the application routes to
+    those external OpenAI-compatible servers (``deploy/workers.py``) and runs no engine
+    replicas; the model folder then gives the workers' tokenizer, ``engine_kwargs``'
+    ``block_size`` their block size, and ``router_policy`` routes them (no Serve request
+    router is involved)."""
 
     app_name: str = "kvroute"
     llm_configs: list[LLMConfig] = Field(min_length=1, max_length=1)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
+    workers: Optional[list[WorkerSpec]] = None
+    worker_poll_interval_s: float = Field(default=1.0, gt=0, description="how often each worker's /metrics is read")
 
     def cluster_config(self) -> ClusterConfig:
         llm = self.llm_configs[0]
@@ -218,23 +226,17 @@ class OpenAIIngress:
         from kvroute.cluster.router_actor import get_or_create_router_actors
         from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.serving import OpenAIServing
-        from kvroute.replica.models.arch import ModelArch
-        from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
 
         parsed = parse_args(args)
         llm = parsed.llm_configs[0]
-        path = await asyncio.to_thread(resolve_model, config.engine.model)
-        light = config.engine.emulate is not None
-        tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
-        arch = ModelArch.from_hf_config(load_hf_config(path, light))
-        max_model_len = config.engine.context_length(arch.max_position_embeddings)
+        tokenizer, max_model_len, vocab_size = await load_model_info(config)
         self.config = config
         self.router_actors = get_or_create_router_actors(config)
         client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)
         name = llm.model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
         self.serving = OpenAIServing(
-            name, tokenizer, max_model_len, arch.vocab_size, ClusterBackend(client, self.router_actors), parsed.limits(), aliases
+            name, tokenizer, max_model_len, vocab_size, ClusterBackend(client, self.router_actors), parsed.limits(), aliases
         )
         self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
@@ -245,21 +247,35 @@ class OpenAIIngress:
         return build_api(self.serving, self._metrics)
 
     async def _metrics(self) -> tuple[bytes, str]:
-        from kvroute.cluster.request_router import PROCESS_STATS
-        from kvroute.deploy.metrics import CONTENT_TYPE, render
+        return await router_metrics(self.router_actors, self.serving.model_name, self.accuracy)
 
-        from kvroute.deploy.metrics import merge_router_stats
 
-        answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in self.router_actors),
-                                       return_exceptions=True)  # fmt: skip
-        snapshots = [a for a in answers if isinstance(a, dict)]
-        for exc in (a for a in answers if not isinstance(a, dict)):  # a router restarting
-            log.warning("a router actor did not answer for /metrics: %r", exc)
-        replicas = snapshots[0]["replicas"] if snapshots else {}
-        router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
-        body = render(self.serving.model_name, replicas, router, self.accuracy, PROCESS_STATS["fallbacks"],
-                      PROCESS_STATS["failovers"])  # fmt: skip
-        return body, CONTENT_TYPE
+async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
+    """The ingress' view of the model: its tokenizer, context length and vocabulary size."""
+    from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
+    from kvroute.replica.models.arch import ModelArch
+
+    path = await asyncio.to_thread(resolve_model, config.engine.model)
+    light = config.engine.emulate is not None
+    tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
+    arch = ModelArch.from_hf_config(load_hf_config(path, light))
+    return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size
+
+
+async def router_metrics(router_actors: list[Any], model_name: str, accuracy: Any) -> tuple[bytes, str]:
+    """``/metrics`` of an ingress: the replicas' reports and the routers' stats."""
+    from kvroute.cluster.request_router import PROCESS_STATS
+    from kvroute.deploy.metrics import CONTENT_TYPE, merge_router_stats, render
+
+    answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in router_actors),
+                                   return_exceptions=True)  # fmt: skip
+    snapshots = [a for a in answers if isinstance(a, dict)]
+    for exc in (a for a in answers if not isinstance(a, dict)):  # a router restarting
+        log.warning("a router actor did not answer for /metrics: %r", exc)
+    replicas = snapshots[0]["replicas"] if snapshots else {}
+    router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
+    body = render(model_name, replicas, router, accuracy, PROCESS_STATS["fallbacks"], PROCESS_STATS["failovers"])
+    return body, CONTENT_TYPE
 
 
 def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
@@ -284,8 +300,13 @@ def compose_app(
     if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
         parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
     config = parsed.cluster_config()
-    engines = build_engine_deployment(config, version=engine_version)
-    ingress = serve.deployment(OpenAIIngress).options(
+    if parsed.workers is not None:
+        from kvroute.deploy.workers import WorkersIngress
+
+        ingress_class, bound = WorkersIngress, ()
+    else:
+        ingress_class, bound = OpenAIIngress, (build_engine_deployment(config, version=engine_version),)
+    ingress = serve.deployment(ingress_class).options(
         name="OpenAIIngress",
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
@@ -294,4 +315,4 @@ def compose_app(
     )
     if ingress_version is not None:  # (Ray 2.60: version is an internal option, see build_engine_deployment)
         ingress = ingress.options(_internal=True, version=ingress_version)
-    return ingress.bind(parsed.model_dump(), config, engines)
+    return ingress.bind(parsed.model_dump(), config, *bound)

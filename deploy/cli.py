@@ -16,7 +16,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step (default: EngineConfig's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default: EngineConfig's)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps (default: on)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -31,14 +34,46 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-gb", type=float, default=0.0, help="or the host KV tier's size in GiB")
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="cut prefill chunks so a step shared with other requests takes about this long (0: tokens only)")
+    p.add_argument("--engine-kwargs", default="{}", metavar="JSON",
+                   help="any other EngineConfig field, as a JSON object (e.g. '{\"page_aligned\": false}')")
+
+
+# EngineConfig fields that have their own flag (so --engine-kwargs may not name them)
+_FLAGGED = ("dtype", "block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+            "max_model_len", "enable_prefix_caching", "seed", "emulate", "time_scale", "host_kv_blocks", "host_kv_gb", "step_target_s")
+
+
+def parse_engine_kwargs(text: str) -> dict:
+    """``--engine-kwargs``: a JSON object of EngineConfig fields (ValueError naming the
+    bad part; the values are checked by EngineConfig itself)."""
+    import dataclasses
+
+    from kvroute.replica.config import EngineConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--engine-kwargs is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--engine-kwargs must be a JSON object of EngineConfig fields, got {text!r}")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "replica_id"}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise ValueError(f"--engine-kwargs: unknown EngineConfig fields {unknown}; it takes {sorted(fields)}")
+    return value
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+    extra = parse_engine_kwargs(args.engine_kwargs)
+    flagged = sorted(set(extra) & set(_FLAGGED))
+    if flagged:
+        raise ValueError(f"--engine-kwargs names {flagged}; use their own flags ({', '.join('--' + f.replace('_', '-') for f in flagged)})")
+    optional = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+                "enable_chunked_prefill": args.enable_chunked_prefill}  # fmt: skip
+    return extra | {k: v for k, v in optional.items() if v is not None} | dict(
         dtype=args.dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
@@ -118,6 +153,44 @@ def _serve_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_app_args(args: argparse.Namespace):
+    """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``."""
+    from kvroute.deploy.app import parse_args, router_choice
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    route = router_choice(args.router)
+    limits = _limits(args)
+    app: dict = {
+        "app_name": args.app_name,
+        "llm_configs": [
+            {
+                "model_loading_config": {"model_id": args.served_model_name or args.model, "model_source": args.model},
+                "engine_kwargs": _engine_kwargs(args),
+                "deployment_config": {
+                    "num_replicas": args.replicas,
+                    "ray_actor_options": {"num_cpus": args.num_cpus_per_replica},
+                    "request_router_config": {"request_router_class": route["request_router_class"]},
+                },
+                "router_policy": route["router_policy"],
+                "num_routers": args.num_routers,
+            }
+        ],
+        "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
+                    "request_timeout_s": limits.request_timeout_s},
+    }  # fmt: skip
+    if args.workers is not None:
+        if route["request_router_class"] != "kvroute":
+            raise ValueError(f"--router {args.router} is a Serve request router, which external workers do not go "
+                             "through; with --workers use kvroute or round_robin (the router actors' policies)")  # fmt: skip
+        urls = [u.strip() for u in args.workers.split(",") if u.strip()]
+        app["workers"] = [{"url": u} for u in urls]
+        app["worker_poll_interval_s"] = args.worker_poll_interval_s
+    parsed = parse_args(app)
+    parsed.cluster_config()  # the engine settings' own checks, before anything starts
+    return parsed
+
+
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -126,46 +199,26 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kvroute.cluster.router_actor import kill_router_actors
-    from kvroute.deploy.app import build_app, parse_args, router_choice
+    from kvroute.deploy.app import build_app
+    from kvroute.deploy.worker_pool import kill_worker_pool
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    route = router_choice(args.router)
-    limits = _limits(args)
-    app_args = parse_args(
-        {
-            "app_name": args.app_name,
-            "llm_configs": [
-                {
-                    "model_loading_config": {"model_id": args.served_model_name or args.model, "model_source": args.model},
-                    "engine_kwargs": _engine_kwargs(args),
-                    "deployment_config": {
-                        "num_replicas": args.replicas,
-                        "ray_actor_options": {"num_cpus": args.num_cpus_per_replica},
-                        "request_router_config": {"request_router_class": route["request_router_class"]},
-                    },
-                    "router_policy": route["router_policy"],
-                    "num_routers": args.num_routers,
-                }
-            ],
-            "ingress": {
-                "api_key": limits.api_key,
-                "max_body_bytes": limits.max_body_bytes,
-                "request_timeout_s": limits.request_timeout_s,
-            },
-        }
-    )
+    app_args = serve_app_args(args)
+    engines = 0 if app_args.workers is not None else args.replicas
     if args.address:
         ray.init(address=args.address, namespace="kvroute-serve", logging_level="warning")
     else:
         # Logical CPUs are bookkeeping: give Ray room for every replica plus the ingress
         # even on a small machine (each replica still runs num_cpus torch threads).
-        need = int(args.replicas * args.num_cpus_per_replica + 2)
+        need = int(engines * args.num_cpus_per_replica + 2)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
-    print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
+    if app_args.workers is not None:
+        print(f"kvroute: routing to {len(app_args.workers)} worker(s) of {args.model} (router: {args.router})…", flush=True)
+    else:
+        print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
     serve.run(build_app(app_args), name=args.app_name, route_prefix="/")
     print(f"kvroute: ready on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt  # (setting a threading.Event here can deadlock the main thread)
 
@@ -181,6 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
     kill_router_actors(args.app_name)
+    kill_worker_pool(args.app_name)
     serve.shutdown()
     ray.shutdown()
     return 0
@@ -222,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
+    s.add_argument("--workers", default=None, metavar="URL[,URL...]",
+                   help="route to these OpenAI-compatible servers (vLLM, kvroute serve-replica) instead of starting "
+                        "replicas; --model is their model folder (the tokenizer), --block-size their block size; "
+                        "'' starts with none (add them at POST /admin/workers)")
+    s.add_argument("--worker-poll-interval-s", type=float, default=1.0, help="with --workers: how often each worker's "
+                   "/metrics is read")
     s.set_defaults(func=_serve)
     return parser
 

@@ -142,6 +142,14 @@ class Router:
         if load is not None:
             self.loads.report(replica_id, load)
 
+    def report_load(self, replica_id: str, load: LoadFigures) -> bool:
+        """Load figures alone (an external worker's polled ``/metrics``), beside
+        whatever feeds its cache entries; False: the replica is unknown."""
+        if replica_id not in self.directory:
+            return False
+        self.loads.report(replica_id, load)
+        return True
+
     def stale_replicas(self) -> list[ReplicaId]:
         return self.directory.stale_replicas()
 

@@ -100,3 +100,27 @@ def test_serve_accepts_build_app_as_a_builder():
     (app,) = serve_config["applications"]
     built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])
     assert isinstance(built, Application)
+
+
+def test_serve_workers_yaml_is_accepted():
+    args = parse_args(_app_args(yaml.safe_load((DEPLOY / "serve_workers.yaml").read_text())))
+    assert [w.url for w in args.workers] == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    assert [w.worker_id for w in args.workers] == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert args.workers[0].kv_events_endpoint == "tcp://127.0.0.1:5557" and args.worker_poll_interval_s == 1.0
+    assert args.cluster_config().hash_spec.block_size == 16
+
+
+@pytest.mark.parametrize(
+    "workers, message",
+    [
+        ([{"url": "ftp://host:1"}], "workers.0.url: Value error, url must be http(s)://host[:port][/path], got 'ftp://host:1'"),
+        ([{"url": "http://host:99999"}], "workers.0.url: Value error, url has a bad port: 'http://host:99999'"),
+        ([{"url": "http://h:1", "colour": "red"}], "workers.0.colour: Extra inputs are not permitted"),
+        ([{"url": "http://h:1", "capacity_blocks": 0}], "workers.0.capacity_blocks: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_workers_are_refused_with_the_field_named(workers, message):
+    args = _app_args(yaml.safe_load((DEPLOY / "serve_workers.yaml").read_text())) | {"workers": workers}
+    with pytest.raises(ValueError) as exc:
+        parse_args(args)
+    assert str(exc.value) == f"invalid kvroute application args: {message}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -233,3 +232,53 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health").status_code == 200
     except httpx.ConnectError:
         return False
+
+
+def test_engine_flags_people_from_vllm_expect():
+    from kvroute.deploy.cli import _engine_kwargs, build_parser
+    from kvroute.replica.config import EngineConfig
+
+    for command in ("serve", "serve-replica"):
+        args = build_parser().parse_args([command, "--max-num-seqs", "8", "--no-enable-chunked-prefill",
+                                          "--max-num-batched-tokens", "4096",
+                                          "--engine-kwargs", '{"page_aligned": false, "kv_cache_memory_gb": 0.5}'])  # fmt: skip
+        config = EngineConfig(**_engine_kwargs(args))
+        assert (config.max_num_seqs, config.enable_chunked_prefill, config.max_num_batched_tokens) == (8, False, 4096)
+        assert (config.page_aligned, config.kv_cache_memory_gb) == (False, 0.5)
+        # without the flags: EngineConfig's own defaults
+        config = EngineConfig(**_engine_kwargs(build_parser().parse_args([command, "--enable-chunked-prefill"])))
+        default = EngineConfig()
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == (default.max_num_seqs, default.max_num_batched_tokens)
+        assert config.enable_chunked_prefill is True
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--engine-kwargs", "{nope"], "--engine-kwargs is not valid JSON"),
+        (["--engine-kwargs", "[1]"], "--engine-kwargs must be a JSON object of EngineConfig fields, got '[1]'"),
+        (["--engine-kwargs", '{"colour": 1}'], "--engine-kwargs: unknown EngineConfig fields ['colour']"),
+        (["--engine-kwargs", '{"max_num_seqs": 4}'], "--engine-kwargs names ['max_num_seqs']; use their own flags (--max-num-seqs)"),
+        (["--engine-kwargs", '{"kv_cache_memory_gb": -1}'], "kv_cache_memory_gb"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--workers", "http://127.0.0.1:8101,ftp://x"], "workers.1.url: Value error, url must be http(s)://"),
+        (["--workers", "http://127.0.0.1:8101", "--router", "power_of_two"], "with --workers use kvroute or round_robin"),
+    ],
+)
+def test_bad_serve_flags_exit_2_before_anything_starts(extra, message, capsys):
+    assert main(["serve", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute: error: ") and message in err
+
+
+def test_serve_workers_builds_the_workers_application():
+    from kvroute.deploy.cli import build_parser, serve_app_args
+
+    args = build_parser().parse_args(["serve", "--workers", "http://10.0.0.5:8000, http://10.0.0.6:8000/", "--block-size",
+                                      "32", "--worker-poll-interval-s", "0.5", "--num-routers", "2"])  # fmt: skip
+    app = serve_app_args(args)
+    assert [w.url for w in app.workers] == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+    assert app.worker_poll_interval_s == 0.5 and app.llm_configs[0].num_routers == 2
+    assert app.cluster_config().hash_spec.block_size == 32
+    assert serve_app_args(build_parser().parse_args(["serve", "--workers", ""])).workers == []
+    assert serve_app_args(build_parser().parse_args(["serve"])).workers is None

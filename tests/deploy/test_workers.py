@@ -1,0 +1,233 @@
+"""``kvroute serve --workers``: the Serve ingress and router actors of a real local Ray
+cluster in front of real ``kvroute serve-replica --emulate`` processes, driven with the
+official ``openai`` client and plain HTTP on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
+from kvroute.deploy.app import build_app, parse_args  # noqa: E402
+from kvroute.deploy.worker_pool import kill_worker_pool, parse_load  # noqa: E402
+from tests.conftest import free_port, wait_until  # noqa: E402
+from tests.deploy.server import start_cli  # noqa: E402
+
+MODEL = "tiny-workers"
+KEY = "sk-workers-test"
+BLOCK = 8
+APP = "kvworkers"
+WORKER_ARGS = ["--block-size", str(BLOCK), "--num-kv-blocks", "256", "--emulate", "gpu_h100_llama3_8b", "--time-scale", "5",
+               "--served-model-name", MODEL]  # fmt: skip
+
+
+def _start_worker(model_path, port: int) -> subprocess.Popen:
+    proc, _ = start_cli(["serve-replica", "--model", str(model_path), "--port", str(port), "--replica-id", f"w{port}",
+                         *WORKER_ARGS], "serving")  # fmt: skip
+    wait_until(lambda: _healthy(f"http://127.0.0.1:{port}"), 120, f"worker on port {port}", 0.1)
+    return proc
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, tiny_llama_path):
+    ports = [free_port() for _ in range(3)]
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            procs.update(zip(ports, ex.map(lambda p: _start_worker(tiny_llama_path, p), ports)))
+        yield from _app(ray_cluster, ports, procs, tiny_llama_path)
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+
+
+def _app(ray_cluster: str, ports: list[int], procs: dict, tiny_llama_path):
+    args = {
+        "app_name": APP,
+        "llm_configs": [{"model_loading_config": {"model_id": MODEL, "model_source": str(tiny_llama_path)},
+                         "engine_kwargs": {"block_size": BLOCK, "emulate": "gpu_h100_llama3_8b"}, "num_routers": 2}],
+        "ingress": {"api_key": KEY},
+        "workers": [{"url": f"http://127.0.0.1:{p}"} for p in ports[:2]],
+        "worker_poll_interval_s": 0.2,
+    }  # fmt: skip
+    try:
+        serve.run(build_app(parse_args(args)), name=APP, route_prefix="/")
+        routers = [ray.get_actor(f"kvroute-router:{APP}" + s, namespace="kvroute") for s in ("", ":1")]
+        wait_until(lambda: all(len(ray.get(r.replicas.remote())) == 2 for r in routers), 60, "both workers registered")
+        yield {"url": ray_cluster, "ports": ports, "procs": procs, "routers": routers, "model_path": tiny_llama_path}
+    finally:
+        serve.delete(APP)
+        kill_router_actors(APP)
+        kill_worker_pool(APP)
+
+
+def _client(url: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _admin(fleet, method: str, path: str = "", key: str = KEY, **kw) -> httpx.Response:
+    return httpx.request(method, fleet["url"] + "/admin/workers" + path, headers={"Authorization": f"Bearer {key}"},
+                         timeout=30, **kw)  # fmt: skip
+
+
+def _workers(fleet) -> dict[str, dict]:
+    return {w["id"]: w for w in _admin(fleet, "GET").json()["data"]}
+
+
+def test_completions_and_chat_streamed_or_not_pass_the_workers_answers_through(fleet):
+    client = _client(fleet["url"])
+    r = client.completions.create(model=MODEL, prompt="Hello through the workers", max_tokens=6, temperature=0)
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length" and r.model == MODEL
+    assert r.usage.prompt_tokens_details is not None  # the worker's usage, cached_tokens included
+    two = client.completions.create(model=MODEL, prompt="Two choices please", max_tokens=4, n=2, temperature=0)
+    assert sorted(c.index for c in two.choices) == [0, 1] and two.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=MODEL, prompt="Stream it", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 5 and "".join(c.choices[0].text for c in chunks if c.choices)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    stream = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                                 stream=True))  # fmt: skip
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
+    # a worker's own 400 passes through in OpenAI's shape
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert "num_kv_blocks=256" in exc.value.body["message"], exc.value.body  # the worker's own words
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="another-model", prompt="x", max_tokens=2)
+
+
+def _delivered(fleet) -> float:
+    """``kvroute:reuse_tokens{figure="delivered"}``: the cached tokens the workers reported
+    on requests the router predicted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(fleet["url"] + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvroute:reuse_tokens_total" and s.labels["figure"] == "delivered")  # fmt: skip
+
+
+def test_prefix_sharing_prompts_land_on_the_worker_that_cached_them(fleet):
+    client = _client(fleet["url"])
+    before, hits = _delivered(fleet), 0
+    for i in range(4):
+        prompt = f"Shared system prompt number {i} about the archive's many rules and its keepers. " * 10
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        # a poll of the workers' /metrics (every 0.2 s) counts the finished request; until
+        # then the router still counts it as the holder's queued prefill (no KV events here)
+        time.sleep(0.5)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt + " And one more question?", max_tokens=2,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        n = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        why = (i, _workers(fleet), [ray.get(r.stats.remote())["decisions_by_reason"] for r in fleet["routers"]])
+        hits += chunks[-1].usage.prompt_tokens_details.cached_tokens
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK, why  # the holder
+    # decision quality counts what the workers reported, streamed answers included
+    assert _delivered(fleet) - before == hits
+    metrics = httpx.get(fleet["url"] + "/metrics", timeout=10).text
+    assert 'kvroute:router_replicas{model_name="tiny-workers"} 2.0' in metrics
+    assert "kvroute:routing_decisions_total" in metrics
+
+
+def test_admin_routes_add_list_and_remove_workers(fleet):
+    url3 = f"http://127.0.0.1:{fleet['ports'][2]}"
+    assert _admin(fleet, "GET", key="wrong").status_code == 401
+    listed = _workers(fleet)
+    assert len(listed) == 2 and all(w["state"] == "up" and w["model"] == MODEL for w in listed.values())
+    assert all(w["capacity_blocks"] == 256 and w["polls"] > 0 for w in listed.values())
+    added = _admin(fleet, "POST", json={"url": url3, "id": "third"})
+    assert added.status_code == 201 and added.json()["state"] == "up", added.text
+    wait_until(lambda: all("third" in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "third registered")
+    # every worker now serves: distinct cold prompts spread over the three
+    client = _client(fleet["url"])
+    for i in range(6):
+        client.completions.create(model=MODEL, prompt=f"cold prompt {i} " * 8, max_tokens=2)
+    assert _workers(fleet)["third"]["state"] == "up"
+    # bad input: OpenAI's error envelope
+    dup = _admin(fleet, "POST", json={"url": url3})
+    assert dup.status_code == 409 and dup.json()["error"]["code"] == "worker_rejected"
+    bad = _admin(fleet, "POST", json={"url": "ftp://nowhere"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
+    extra = _admin(fleet, "POST", json={"url": "http://127.0.0.1:1", "colour": "red"})
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "colour"
+    gone = _admin(fleet, "DELETE", "/nobody")
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "invalid_request_error"
+    # an unreachable worker is kept, down, until its health probe passes
+    dead = _admin(fleet, "POST", json={"url": f"http://127.0.0.1:{free_port()}", "id": "ghost"})
+    assert dead.status_code == 201 and dead.json()["state"] == "down" and dead.json()["last_error"]
+    assert _admin(fleet, "DELETE", "/ghost").json()["deleted"] is True
+    assert _admin(fleet, "DELETE", "/third").status_code == 200
+    assert set(_workers(fleet)) == set(listed)
+    wait_until(lambda: all("third" not in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "third removed")
+
+
+def test_a_killed_workers_requests_are_retried_elsewhere_and_it_comes_back(fleet):
+    port = fleet["ports"][2]
+    url3 = f"http://127.0.0.1:{port}"
+    assert _admin(fleet, "POST", json={"url": url3, "id": "victim"}).status_code == 201
+    client = _client(fleet["url"])
+
+    def ask(i: int) -> int:
+        return client.completions.create(model=MODEL, prompt=f"request {i} to a fleet " * 6, max_tokens=40).usage.completion_tokens
+
+    def victim_running() -> bool:
+        text = httpx.get(url3 + "/metrics", timeout=5).text
+        return parse_load(text, 0)[0].num_running > 0
+
+    with concurrent.futures.ThreadPoolExecutor(12) as ex:
+        futures = [ex.submit(ask, i) for i in range(12)]
+        wait_until(victim_running, 30, "requests running on the victim")
+        os.kill(fleet["procs"][port].pid, signal.SIGKILL)
+        fleet["procs"][port].wait()
+        answers = [f.result() for f in futures]  # 0 client errors
+    assert answers == [40] * 12
+    wait_until(lambda: _workers(fleet)["victim"]["state"] == "down", 10, "the victim taken out")
+    assert all("victim" not in ray.get(r.replicas.remote()) for r in fleet["routers"])
+    assert ask(99) == 40
+    fleet["procs"][port] = _start_worker(fleet["model_path"], port)  # same address: its probe passes again
+    wait_until(lambda: _workers(fleet)["victim"]["state"] == "up", 30, "the victim back up")
+    wait_until(lambda: all("victim" in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "victim registered")
+    assert _admin(fleet, "DELETE", "/victim").status_code == 200
+
+
+def test_a_vllm_metrics_page_becomes_load_figures():
+    # vLLM 0.32's names and label sets (v1/metrics/loggers.py), one engine
+    text = (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 1.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25\n'
+    )
+    figures, cache = parse_load(text, 1234)
+    assert (figures.num_running, figures.num_waiting, figures.kv_usage, figures.route_ticket) == (3, 1, 0.25, 1234)
+    assert cache["num_gpu_blocks"] == 2048 and cache["block_size"] == 16
+    assert parse_load("", 0) == (parse_load("", 0)[0], {}) and parse_load("", 0)[0].num_running == 0
