@@ -23,7 +23,6 @@ on top (``router/load_view.py``).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
@@ -37,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.kv_subscriber import KVEventSubscriber
 from kvroute.cluster.messages import ROUTER_NAMESPACE
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.replica.kv_events import LoadFigures
@@ -106,20 +106,12 @@ def parse_load(text: str, ticket: int) -> tuple[LoadFigures, dict[str, int]]:
     return figures, cache
 
 
-async def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> Any:
-    """The worker's KV event subscriber, started; None where this build has none.
-    (Its ``start``/``stop`` may be plain or coroutines: both are taken.)"""
-    try:
-        from kvroute.cluster.kv_subscriber import KVEventSubscriber
-    except ImportError:
-        log.warning("worker %s names a KV event endpoint, but this build has no KV event subscriber: "
-                    "routing it by the routers' own decisions", worker_id)  # fmt: skip
-        return None
+def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> KVEventSubscriber:
+    """The worker's KV event subscriber, started: it registers the worker with every
+    router and streams its events (``cluster/kv_subscriber.py``)."""
     sub = KVEventSubscriber(worker_id, spec.kv_events_endpoint, config.hash_spec, routers, capacity,
                             replay_endpoint=spec.replay_endpoint)  # fmt: skip
-    started = sub.start()
-    if inspect.isawaitable(started):
-        await started
+    sub.start()
     return sub
 
 
@@ -246,7 +238,7 @@ class WorkerPool:
         w.up, w.last_error = True, ""
         w.counters["ups"] += 1
         if w.spec.kv_events_endpoint:
-            w.subscriber = await start_subscriber(w.spec.worker_id, w.spec, self.config, self.routers, w.capacity)
+            w.subscriber = start_subscriber(w.spec.worker_id, w.spec, self.config, self.routers, w.capacity)
         if w.subscriber is None:
             await self._register(w)
         log.info("worker %s (%s) is up: %s, %d KV blocks", w.spec.worker_id, w.spec.url, w.model, w.capacity)
@@ -274,9 +266,7 @@ class WorkerPool:
     async def _take_out(self, w: _Worker, reason: str) -> None:
         was_up, w.up, w.last_error = w.up, False, reason
         if w.subscriber is not None:
-            stopped = w.subscriber.stop()
-            if inspect.isawaitable(stopped):
-                await stopped
+            await asyncio.to_thread(w.subscriber.stop)  # joins its thread, unregisters from the routers
             w.subscriber = None
         calls = [r.remove_replica.remote(w.spec.worker_id) for r in self.routers]
         await asyncio.gather(*calls, return_exceptions=True)

@@ -231,3 +231,40 @@ def test_a_vllm_metrics_page_becomes_load_figures():
     assert (figures.num_running, figures.num_waiting, figures.kv_usage, figures.route_ticket) == (3, 1, 0.25, 1234)
     assert cache["num_gpu_blocks"] == 2048 and cache["block_size"] == 16
     assert parse_load("", 0) == (parse_load("", 0)[0], {}) and parse_load("", 0)[0].num_running == 0
+
+
+def test_a_worker_with_kv_events_feeds_the_directory_exactly(fleet):
+    """A worker added with ``kv_events_endpoint`` (``serve-replica --kv-events-config``:
+    vLLM's wire format) is registered by its KV event subscriber: the routers' directory
+    holds the blocks it cached, and the next request's cached tokens are the router's
+    prediction (the other workers are set aside meanwhile, then put back)."""
+    port, events = free_port(), free_port()
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%d"}' % events
+    proc, _ = start_cli(["serve-replica", "--model", str(fleet["model_path"]), "--port", str(port), "--replica-id", "evented",
+                         *WORKER_ARGS, "--kv-events-config", config], "serving")  # fmt: skip
+    originals = _workers(fleet)
+    try:
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{port}"), 120, "the evented worker", 0.1)
+        for wid in originals:
+            assert _admin(fleet, "DELETE", f"/{wid}").status_code == 200
+        added = _admin(fleet, "POST", json={"url": f"http://127.0.0.1:{port}", "id": "evented",
+                                            "kv_events_endpoint": f"tcp://127.0.0.1:{events}"})  # fmt: skip
+        assert added.status_code == 201 and added.json()["kv_events"] is True, added.text
+        router = fleet["routers"][0]
+        wait_until(lambda: ray.get(router.replicas.remote()) == ["evented"], 15, "the evented worker registered")
+        client = _client(fleet["url"])
+        prompt = "An evented worker's long shared preamble, repeated for several blocks. " * 6
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        full = (first.usage.prompt_tokens - 1) // BLOCK  # the blocks it caches (the last token is computed)
+        for r in fleet["routers"]:
+            wait_until(lambda: len(ray.get(r.directory.remote("evented"))) >= full, 15, "the worker's blocks in the directory")
+        again = client.completions.create(model=MODEL, prompt=prompt + " Then a question?", max_tokens=2, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == full * BLOCK
+        decided = [ray.get(r.stats.remote())["decisions_by_reason"] for r in fleet["routers"]]
+        assert sum(d.get("prefix", 0) for d in decided) >= 1, decided
+    finally:
+        _admin(fleet, "DELETE", "/evented")
+        for wid, w in originals.items():
+            _admin(fleet, "POST", json={"url": w["url"], "id": wid})
+        _stop(proc)
+    wait_until(lambda: all(len(ray.get(r.replicas.remote())) == 2 for r in fleet["routers"]), 30, "the workers back")
