@@ -63,6 +63,15 @@ def parse_engine_kwargs(text: str) -> dict:
     return value
 
 
+def _worker_spec(item: str) -> dict:
+    """``URL[=EVENTS[=REPLAY]]`` of ``--workers`` as a worker entry of the app config."""
+    parts = item.split("=")
+    if len(parts) > 3:
+        raise ValueError(f"--workers entry {item!r}: expected URL[=EVENTS[=REPLAY]]")
+    keys = ("url", "kv_events_endpoint", "replay_endpoint")
+    return {k: v for k, v in zip(keys, parts)}
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     extra = parse_engine_kwargs(args.engine_kwargs)
     flagged = sorted(set(extra) & set(_FLAGGED))
@@ -183,8 +192,7 @@ def serve_app_args(args: argparse.Namespace):
         if route["request_router_class"] != "kvroute":
             raise ValueError(f"--router {args.router} is a Serve request router, which external workers do not go "
                              "through; with --workers use kvroute or round_robin (the router actors' policies)")  # fmt: skip
-        urls = [u.strip() for u in args.workers.split(",") if u.strip()]
-        app["workers"] = [{"url": u} for u in urls]
+        app["workers"] = [_worker_spec(w.strip()) for w in args.workers.split(",") if w.strip()]
         app["worker_poll_interval_s"] = args.worker_poll_interval_s
     parsed = parse_args(app)
     parsed.cluster_config()  # the engine settings' own checks, before anything starts
@@ -276,10 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
-    s.add_argument("--workers", default=None, metavar="URL[,URL...]",
+    s.add_argument("--workers", default=None, metavar="URL[=EVENTS[=REPLAY]][,...]",
                    help="route to these OpenAI-compatible servers (vLLM, kvroute serve-replica) instead of starting "
                         "replicas; --model is their model folder (the tokenizer), --block-size their block size; "
-                        "'' starts with none (add them at POST /admin/workers)")
+                        "=EVENTS: the worker's ZMQ KV event publisher (e.g. tcp://10.0.0.5:5557), =REPLAY its replay "
+                        "endpoint; '' starts with none (add them at POST /admin/workers)")
     s.add_argument("--worker-poll-interval-s", type=float, default=1.0, help="with --workers: how often each worker's "
                    "/metrics is read")
     s.set_defaults(func=_serve)

@@ -281,4 +281,8 @@ def test_serve_workers_builds_the_workers_application():
     assert app.worker_poll_interval_s == 0.5 and app.llm_configs[0].num_routers == 2
     assert app.cluster_config().hash_spec.block_size == 32
     assert serve_app_args(build_parser().parse_args(["serve", "--workers", ""])).workers == []
+    evented = serve_app_args(build_parser().parse_args(
+        ["serve", "--workers", "http://a:8000=tcp://a:5557=tcp://a:5558,http://b:8000=tcp://b:5557"])).workers  # fmt: skip
+    assert [(w.url, w.kv_events_endpoint, w.replay_endpoint) for w in evented] == [
+        ("http://a:8000", "tcp://a:5557", "tcp://a:5558"), ("http://b:8000", "tcp://b:5557", None)]
     assert serve_app_args(build_parser().parse_args(["serve"])).workers is None
