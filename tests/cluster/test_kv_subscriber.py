@@ -17,7 +17,7 @@ from kvroute.deploy.replica_server import build_replica_server
 from kvroute.replica.block_hash import hash_blocks
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.kv_events import LoadFigures
-from tests.cluster.vllm_worker import free_ports
+from kvroute.benchmarks.vllm_workers import free_ports
 from tests.conftest import wait_until
 from tests.deploy.server import running
 

@@ -8,7 +8,7 @@ import pytest
 from kvroute.cluster.kv_subscriber import KVEventSubscriber
 from kvroute.cluster.router_actor import RouterService
 from kvroute.replica.block_hash import HashSpec, hash_blocks
-from tests.cluster.vllm_worker import BLOCK_SIZE, NUM_BLOCKS, complete, free_ports, trace_prompts, vllm_python, vllm_worker
+from kvroute.benchmarks.vllm_workers import BLOCK_SIZE, NUM_BLOCKS, complete, free_ports, trace_prompts, vllm_python, vllm_worker
 from tests.conftest import wait_until
 
 pytestmark = [

