@@ -63,7 +63,9 @@ def build_replica_server(
     if kv_events.enabled:
         publisher = ZmqKVEventPublisher(kv_events)
         async_engine.add_event_listener(lambda events: publisher.publish(vllm_events(engine.kv, events)))
-    name = served_model_name or config.model
+    # an emulated engine is named after its step profile (the model shape whose times it
+    # takes), not after the checkpoint that only lends it a tokenizer (still an alias)
+    name = served_model_name or (f"emulated-{config.emulate}" if config.emulate else config.model)
     serving = OpenAIServing(
         name,
         engine.tokenizer,
@@ -85,7 +87,8 @@ def build_replica_server(
     def extra_routes(app: FastAPI) -> None:
         @app.get("/get_model_info")
         async def get_model_info() -> dict[str, Any]:
-            return {"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path), "is_generation": True}
+            return {"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path), "is_generation": True,
+                    "emulated_profile": config.emulate}  # fmt: skip
 
         @app.get("/get_server_info")
         async def get_server_info() -> dict[str, Any]:

@@ -472,3 +472,21 @@ def test_a_long_tokenization_does_not_block_the_loop(server, http):
     assert slow.status_code == 400 and slow.json()["error"]["code"] == "context_length_exceeded"
     assert health.status_code == 200
     assert waited < 1.0, waited
+
+
+def test_an_emulated_replica_is_named_after_its_profile(tiny_llama_path):
+    """``serve-replica --emulate PROFILE`` serves the profile's model shape: /v1/models
+    names it (the tokenizer's checkpoint stays an alias) and /get_model_info says so."""
+    import httpx
+
+    from kvroute.deploy.replica_server import build_replica_server
+    from kvroute.replica.config import EngineConfig
+    from tests.deploy.server import running
+
+    config = EngineConfig(model=str(tiny_llama_path), block_size=8, num_kv_blocks=64, emulate="gpu_h100_llama3_8b")
+    app, _ = build_replica_server(config)
+    with running(app) as url:
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["emulated-gpu_h100_llama3_8b", str(tiny_llama_path)]
+        assert httpx.get(url + "/get_model_info").json()["emulated_profile"] == "gpu_h100_llama3_8b"
+        r = httpx.post(url + "/v1/completions", json={"model": str(tiny_llama_path), "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
