@@ -6,6 +6,8 @@ are restored by a copy before the step, not recomputed); the token budget and
 step's chunk needs are allocated; a non-final prefill chunk ends on a page boundary
 (page-aligned prefill); the last prompt token is always computed; under KV pressure the
 newest running request is preempted (recompute) and later resumes from its cache hits.
+With LoRA, the running requests use at most ``max_loras`` distinct adapters: a waiting
+request of another adapter waits (in order) until one of them has no running request.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     page_aligned: bool = True
+    max_loras: int = 0  # LoRA adapters one step may hold (0: no adapters to count)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -171,6 +174,8 @@ class Scheduler:
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._adapter_fits(req):
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -190,6 +195,13 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_hit, num_new))
             budget -= num_new
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """False when ``req``'s adapter would be one more than ``max_loras`` in the step."""
+        if req.lora_name is None or not self.config.max_loras:
+            return True
+        names = {r.lora_name for r in self.running if r.lora_name is not None}
+        return req.lora_name in names or len(names) < self.config.max_loras
 
     def _chunk(self, req: Request, remaining: int, budget: int, start: int) -> int:
         """Tokens to compute this step: all that remain if they fit, else a chunk that ends
