@@ -187,9 +187,7 @@ class AsyncEngine:
         """Forget adapter ``name``; ValueError while a request (queued or running) uses it."""
 
         def unload() -> None:
-            queued = sum(1 for r in self._to_add if r.lora_name == name)
-            if queued:
-                raise ValueError(f"LoRA adapter {name!r} is in use by {queued} queued request(s)")
+            self._apply_pending()  # requests added (or aborted) before this call count
             self.engine.unload_lora(name)
 
         await self.between_steps(unload)

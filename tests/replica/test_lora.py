@@ -191,3 +191,35 @@ def test_root_hash_without_adapter_is_unchanged():
     assert root_hash(spec, None, "x") != root_hash(spec, None, "y") != root_hash(spec)
     # the salt cannot imitate an adapter: adapter then salt are framed apart
     assert root_hash(spec, "\x02x\x00") != root_hash(spec, None, "x")
+
+
+def test_async_engine_loads_serves_and_unloads(fx: Fixture, tmp_path):
+    import asyncio
+
+    from kvroute.replica.async_engine import AsyncEngine
+
+    engine = AsyncEngine(fx.engine(lora_modules={}).engine)
+
+    async def collect(name):
+        return [t for d in [d async for d in engine.generate(fx.prompts[2], GREEDY, lora_name=name)] for t in d.token_ids]
+
+    async def scenario():
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+            await collect("a")
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        with pytest.raises(ValueError, match="adapter_config.json: missing"):
+            await engine.load_lora("a", str(bad))
+        await engine.load_lora("a", str(fx.adapters["a"]))
+        await engine.load_lora("b", str(fx.adapters["b"]))
+        outs = await asyncio.gather(collect("a"), collect(None), collect("b"))
+        assert outs == [fx.refs["a"][2], fx.refs[None][2], fx.refs["b"][2]]
+        stream = engine.generate(fx.prompts[2], GREEDY, lora_name="a")
+        await stream.__anext__()  # running now
+        with pytest.raises(ValueError, match="in use"):
+            await engine.unload_lora("a")
+        await stream.aclose()  # aborts it: the unload that follows sees it gone
+        await engine.unload_lora("a")
+        assert engine.lora_names() == ["b"]
+
+    asyncio.run(scenario())
