@@ -195,6 +195,11 @@ class AsyncEngine:
     def lora_names(self) -> list[str]:
         return self.engine.lora_names()
 
+    def lora_modules(self) -> dict[str, str]:
+        """The loaded adapters' folders by name (what /v1/models lists)."""
+        lora = self.engine.lora
+        return {} if lora is None else {name: str(a.path) for name, a in lora.adapters.items()}
+
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))
         self._ensure_loop()
