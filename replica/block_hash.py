@@ -5,7 +5,8 @@ Contract (ARCHITECTURE.md §3.1): only full blocks are hashed; block *i*'s hash 
 little-endian bytes and ``tokens`` are the block's token ids as little-endian uint32.
 The first block's parent is a root hash that folds in the model id, the request's LoRA
 adapter (its name) and its ``cache_salt``, so tenants with different salts, different
-adapters (or the base model) and different models never share a block. Stdlib + xxhash + numpy only: the router imports this module without torch.
+adapters (or the base model) and different models never share a block. Stdlib +
+xxhash + numpy only: the router imports this module without torch.
 """
 
 from __future__ import annotations

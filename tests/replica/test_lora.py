@@ -223,3 +223,15 @@ def test_async_engine_loads_serves_and_unloads(fx: Fixture, tmp_path):
         assert engine.lora_names() == ["b"]
 
     asyncio.run(scenario())
+
+
+def test_adapter_root_hash_golden():
+    """Pins the adapter's framing (``... model 0x00 0x02 name 0x00 0x01 salt``), which
+    every caller that routes must reproduce."""
+    import xxhash
+
+    spec = HashSpec(4, 7, "m")
+    framed = b"kvroute/root/v1\x00" + b"m\x00" + b"\x02x\x00" + b"\x01salt"
+    assert root_hash(spec, "salt", "x") == xxhash.xxh3_128_intdigest(framed, 7) == 0x1BB26DB07C24D8FB48CA48770AEDE126
+    assert root_hash(spec, None, "x") == 0xF3A89B2B7335109A6EE88A633D839548
+    assert hash_blocks(spec, [1, 2, 3, 4], lora_name="x") == [0xD66634D86319909F20D3F2A636062A27]
