@@ -4,6 +4,12 @@ against the practical matmul peak.
 
     python -m kvroute.benchmarks.offline [--num-requests 64] [--output-len 64] [--dtype bfloat16]
         [--vllm-python .venv-vllm/bin/python]
+    python -m kvroute.benchmarks.offline --loras 0 1 8 [--lora-rank 16]
+
+``--loras N [N ...]``: instead, the cost of LoRA: the base model (``enable_lora`` off)
+against an engine serving N random adapters (rank ``--lora-rank``, every module
+targeted) with the requests spread round robin over them, all mixed in one batch
+(N = 0: LoRA on, every request on the base model), same prompts, same run.
 
 vLLM pins its own packages, so it runs in its own virtualenv (``make .venv-vllm``) as a
 subprocess (benchmarks/offline_vllm.py) after our engine has finished and freed its
@@ -96,6 +102,40 @@ def run_vllm(python: str, model_path: str, dtype: str, prompts: list[list[int]],
             return json.load(f)
 
 
+def run_loras(args: argparse.Namespace) -> None:
+    """Output tokens/s of the base model and of N adapters mixed in one batch, per N."""
+    from kvroute.benchmarks.lora_adapters import save_random_adapter
+
+    common = dict(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
+                  enable_prefix_caching=False)  # fmt: skip
+    base = LLM(args.model, **common)
+    prompts = random_prompts(args.num_requests, args.min_input, args.max_input, base.engine.arch.vocab_size, args.seed)
+    arch = base.engine.arch
+    run_ours(base, prompts[:4], 4)  # warm up
+    base_s, base_tokens = run_ours(base, prompts, args.output_len)
+    del base
+    result = {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests, "output_len": args.output_len,
+              "lora_rank": args.lora_rank, "base": {"seconds": base_s, "output_tokens_per_s": base_tokens / base_s}, "loras": {}}  # fmt: skip
+    summary = f"base {base_tokens / base_s:.1f} tok/s"
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.loras:
+            modules = {f"lora-{i}": str(save_random_adapter(f"{tmp}/{n}-{i}", arch, rank=args.lora_rank, seed=i, std=0.02))
+                       for i in range(n)}  # fmt: skip
+            llm = LLM(args.model, **common, enable_lora=True, max_loras=max(n, 1), max_lora_rank=args.lora_rank, lora_modules=modules)
+            names = [f"lora-{i % n}" if n else None for i in range(len(prompts))]
+            llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False, lora_name=names[:4])  # warm up
+            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+            dt = time.perf_counter() - t
+            tps = sum(len(o.token_ids) for o in outs) / dt
+            result["loras"][str(n)] = {"seconds": dt, "output_tokens_per_s": tps, "vs_base": tps / (base_tokens / base_s),
+                                       "max_batch_size": llm.engine.stats(False).max_batch_size}  # fmt: skip
+            summary += f"; {n} adapters {tps:.1f} tok/s ({tps / (base_tokens / base_s):.2f}x)"
+            del llm
+    write_result(f"offline_loras_{args.dtype}", result, summary, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -110,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both engines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--loras", type=int, nargs="+", default=None, help="compare the base model with N mixed adapters")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per engine (--loras runs)")
     args = ap.parse_args(argv)
+    if args.loras is not None:
+        if min(args.loras) < 0:
+            ap.error("--loras counts must be >= 0")
+        return run_loras(args)
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=4.0)
     prompts = random_prompts(args.num_requests, args.min_input, args.max_input, llm.engine.arch.vocab_size, args.seed)

@@ -12,11 +12,18 @@ from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.deploy.errors import APIError, error_body
-from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvroute.deploy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 from kvroute.deploy.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,14 @@ def build_api(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return serving.models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await serving.load_lora_adapter(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await serving.unload_lora_adapter(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -36,11 +36,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cut prefill chunks so a step shared with other requests takes about this long (0: tokens only)")
     p.add_argument("--engine-kwargs", default="{}", metavar="JSON",
                    help="any other EngineConfig field, as a JSON object (e.g. '{\"page_aligned\": false}')")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (LRU)")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters registered at most (default: no limit)")
 
 
 # EngineConfig fields that have their own flag (so --engine-kwargs may not name them)
 _FLAGGED = ("dtype", "block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "max_model_len", "enable_prefix_caching", "seed", "emulate", "time_scale", "host_kv_blocks", "host_kv_gb", "step_target_s")
+            "max_model_len", "enable_prefix_caching", "seed", "emulate", "time_scale", "host_kv_blocks", "host_kv_gb", "step_target_s",
+            "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def parse_engine_kwargs(text: str) -> dict:
@@ -91,7 +97,29 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         host_kv_blocks=args.host_kv_blocks,
         host_kv_gb=args.host_kv_gb,
         step_target_s=args.step_target_s or None,
+        **_lora_kwargs(args),
     )
+
+
+def _lora_kwargs(args: argparse.Namespace) -> dict:
+    """The LoRA fields, only when ``--enable-lora`` is given (or adapters are named)."""
+    if not args.enable_lora and not args.lora_modules:
+        return {}
+    return dict(enable_lora=args.enable_lora, lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)  # fmt: skip
+
+
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    """``name=path`` pairs (ValueError for another shape or a repeated name)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH pairs, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def _generate(args: argparse.Namespace) -> int:

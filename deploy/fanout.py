@@ -80,10 +80,13 @@ async def run_choices(
     params: list[SamplingParams],
     cache_salt: Optional[str],
     on_finished: list[Callable[[Choice], None]],
+    lora_name: Optional[str] = None,
 ) -> Stream:
     """Every choice's deltas as they come, interleaved: choice ``p * n + i`` is prompt
     ``p`` sampled with ``params[i]``. Closing this iterator (the caller left) cancels
-    every choice, which aborts its engine request."""
+    every choice, which aborts its engine request. ``lora_name`` (a LoRA adapter) reaches
+    the backend only when set, so backends without adapters keep their signature."""
+    adapter = {} if lora_name is None else {"lora_name": lora_name}
     n = len(params)
     choices = [Choice(index=p * n + i, prompt_index=p) for p in range(len(token_lists)) for i in range(n)]
     queue: asyncio.Queue[tuple[Choice, Union[TokenDelta, BaseException, None]]] = asyncio.Queue()
@@ -96,6 +99,7 @@ async def run_choices(
                 request_id=f"{rid}-{choice.index}",
                 cache_salt=cache_salt,
                 on_route=choice.routed,
+                **adapter,
             )
             try:
                 async for delta in gen:

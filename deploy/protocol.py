@@ -211,3 +211,21 @@ class DetokenizeRequest(BaseModel):
 
     model: Optional[Text] = None
     tokens: list[StrictInt]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: Text = Field(min_length=1)
+    lora_path: Text = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's shape; ``lora_int_id`` is ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: Text = Field(min_length=1)
+    lora_int_id: Optional[StrictInt] = None

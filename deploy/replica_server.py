@@ -40,9 +40,10 @@ class EngineBackend:
         request_id: str,
         cache_salt: Optional[str],
         on_route: Callable[[RouteTrace], None],
+        lora_name: Optional[str] = None,
     ) -> AsyncIterator[TokenDelta]:
         on_route(RouteTrace(self.engine.replica_id))
-        gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt)
+        gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt, lora_name=lora_name)
         try:
             async for delta in gen:
                 yield delta
@@ -74,6 +75,7 @@ def build_replica_server(
         EngineBackend(async_engine),
         limits,
         served_model_aliases=() if name == config.model else (config.model,),
+        adapters=async_engine if config.enable_lora else None,
     )
     replica_id = config.replica_id
 

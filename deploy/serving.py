@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Protocol, Sequence, Union
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,7 +25,9 @@ from kvroute.deploy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     template_messages,
 )
 from kvroute.replica.sampling_params import SamplingParams
@@ -48,7 +50,21 @@ class ServerLimits(BaseModel):
     api_key: Optional[str] = Field(default=None, min_length=1)
 
 
+class AdapterHost(Protocol):
+    """Where LoRA adapters live (``AsyncEngine`` is one): ValueError for a bad folder,
+    a taken name, an unknown adapter or one in use."""
+
+    def lora_modules(self) -> dict[str, str]: ...
+
+    async def load_lora(self, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, name: str) -> None: ...
+
+
 class OpenAIServing:
+    """``adapters``: the LoRA adapters' host; ``model`` may then name an adapter, and
+    /v1/models lists them (``parent``: the base model)."""
+
     def __init__(
         self,
         model_name: str,
@@ -58,7 +74,9 @@ class OpenAIServing:
         backend: Backend,
         limits: ServerLimits = ServerLimits(),
         served_model_aliases: Sequence[str] = (),
+        adapters: Optional[AdapterHost] = None,
     ) -> None:
+        self.adapters = adapters
         self.model_name = model_name
         self.model_names = (model_name, *served_model_aliases)
         self.tokenizer = tokenizer
@@ -84,17 +102,57 @@ class OpenAIServing:
                     "max_model_len": self.max_model_len,
                 }
                 for name in self.model_names
+            ]
+            + [
+                {"id": name, "object": "model", "created": self.created, "owned_by": "kvroute", "root": path,
+                 "parent": self.model_name, "max_model_len": self.max_model_len}  # fmt: skip
+                for name, path in self._lora_modules().items()
             ],
         }
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist; this server serves {list(self.model_names)}",
-                param="model",
-                code="model_not_found",
-            )
+    def _lora_modules(self) -> dict[str, str]:
+        return {} if self.adapters is None else self.adapters.lora_modules()
+
+    def check_model(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name that is
+        neither the model, an alias, nor a loaded adapter."""
+        if model is None or model in self.model_names:
+            return None
+        if model in self._lora_modules():
+            return model
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {[*self.model_names, *self._lora_modules()]}",
+            param="model",
+            code="model_not_found",
+        )
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> str:
+        host = self._adapter_host()
+        if req.lora_name in self.model_names:
+            raise bad_request(f"{req.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            await host.load_lora(req.lora_name, req.lora_path)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_name" if "already loaded" in str(exc) else "lora_path") from None
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
+        host = self._adapter_host()
+        if req.lora_name not in host.lora_modules():
+            raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
+                           code="model_not_found")  # fmt: skip
+        try:
+            await host.unload_lora(req.lora_name)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_name") from None
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+    def _adapter_host(self) -> AdapterHost:
+        if self.adapters is None:
+            raise bad_request("this server runs without LoRA adapters (start it with --enable-lora)")
+        return self.adapters
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -115,7 +173,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
         if req.echo and req.logprobs is not None:
@@ -130,8 +188,8 @@ class OpenAIServing:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        head = responses.header(rid, "text_completion", self.model_name)
-        stream = run_choices(self.backend, rid, token_lists, params, req.cache_salt, self.on_finished)
+        head = responses.header(rid, "text_completion", lora or self.model_name)
+        stream = run_choices(self.backend, rid, token_lists, params, req.cache_salt, self.on_finished, lora)
         if req.stream:
             return await event_stream(
                 stream,
@@ -154,7 +212,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def chat(self, req: ChatCompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
         ids = await asyncio.to_thread(
@@ -169,17 +227,17 @@ class OpenAIServing:
             raise bad_request(str(exc), param="top_logprobs") from None
         params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = run_choices(self.backend, rid, [ids], params, req.cache_salt, self.on_finished)
+        stream = run_choices(self.backend, rid, [ids], params, req.cache_salt, self.on_finished, lora)
         logprobs = num_logprobs is not None
         if req.stream:
-            head = responses.header(rid, "chat.completion.chunk", self.model_name)
+            head = responses.header(rid, "chat.completion.chunk", lora or self.model_name)
             return await event_stream(
                 stream,
                 req.n,
                 lambda s: responses.chat_chunks(head, s, req.n, req.include_usage, logprobs, self.text_of),
                 self.limits.request_timeout_s,
             )
-        head = responses.header(rid, "chat.completion", self.model_name)
+        head = responses.header(rid, "chat.completion", lora or self.model_name)
         choices = await collect(stream, self.limits.request_timeout_s)
         return responses.chat_body(head, choices, logprobs, self.text_of)
 

@@ -22,6 +22,7 @@ from kvroute.kernels import cpu_kernels
 from kvroute.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kvroute.kernels.attention_metadata import AttentionMetadata
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
+from kvroute.kernels.lora import LoRASegments, lora_add_reference, lora_add_triton
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from kvroute.kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference, rms_norm_triton
 from kvroute.kernels.rotary import rotary_reference_, rotary_triton_
@@ -111,6 +112,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         x = x.float()
     return x.argmax(dim=1)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoRASegments) -> None:
+    """Add each adapter row's ``(x · a[slot]ᵀ) · b[slot]ᵀ`` onto ``y`` in place
+    (``kernels/lora.py``): the SGMV kernels on CUDA, grouped torch products on CPU."""
+    if uses_triton(y.device):
+        lora_add_triton(y, x.contiguous(), a, b, seg)
+    else:
+        lora_add_reference(y, x, a, b, seg)
 
 
 def store_kv(

@@ -60,11 +60,12 @@ class AsyncEngine:
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
         route_ticket: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = self.engine.make_request(rid, token_ids, params, cache_salt, resume_output, route_ticket)
+        req = self.engine.make_request(rid, token_ids, params, cache_salt, resume_output, route_ticket, lora_name)
         queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
         self._to_add.append(req)
@@ -171,6 +172,34 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False while a request holds one."""
         return bool(await self.between_steps(self.engine.reset_prefix_cache))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter folder as ``name`` between steps (``Engine.load_lora``);
+        the folder is read in a worker thread."""
+        from kvroute.replica.lora import load_adapter
+
+        e = self.engine
+        if e.lora is None:
+            raise ValueError("loading a LoRA adapter needs enable_lora=True")
+        adapter = await asyncio.to_thread(load_adapter, name, path, e.arch, e.config.max_lora_rank)
+        await self.between_steps(lambda: e.add_lora(adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; ValueError while a request (queued or running) uses it."""
+
+        def unload() -> None:
+            self._apply_pending()  # requests added (or aborted) before this call count
+            self.engine.unload_lora(name)
+
+        await self.between_steps(unload)
+
+    def lora_names(self) -> list[str]:
+        return self.engine.lora_names()
+
+    def lora_modules(self) -> dict[str, str]:
+        """The loaded adapters' folders by name (what /v1/models lists)."""
+        lora = self.engine.lora
+        return {} if lora is None else {name: str(a.path) for name, a in lora.adapters.items()}
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

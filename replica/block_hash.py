@@ -3,9 +3,10 @@
 Contract (ARCHITECTURE.md §3.1): only full blocks are hashed; block *i*'s hash is
 ``xxh3_128(parent ‖ tokens, seed)`` where ``parent`` is the previous block's hash as 16
 little-endian bytes and ``tokens`` are the block's token ids as little-endian uint32.
-The first block's parent is a root hash that folds in the model id and the request's
-``cache_salt``, so tenants with different salts (or different models) never share a
-block. Stdlib + xxhash + numpy only: the router imports this module without torch.
+The first block's parent is a root hash that folds in the model id, the request's LoRA
+adapter (its name) and its ``cache_salt``, so tenants with different salts, different
+adapters (or the base model) and different models never share a block. Stdlib +
+xxhash + numpy only: the router imports this module without torch.
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ class HashSpec:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
 
-def root_hash(spec: HashSpec, cache_salt: str | None = None) -> BlockHash:
-    """The parent of a request's first block: model id and cache salt folded in."""
+def root_hash(spec: HashSpec, cache_salt: str | None = None, lora_name: str | None = None) -> BlockHash:
+    """The parent of a request's first block: model id, LoRA adapter and cache salt
+    folded in. The adapter part (``0x02 name 0x00``; names hold no NUL) precedes the salt
+    part (``0x01 salt``), so no salt can imitate an adapter; without an adapter the
+    bytes are those of before adapters existed."""
+    lora = b"" if lora_name is None else b"\x02" + lora_name.encode("utf-8") + b"\x00"
     salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
-    data = _ROOT_TAG + spec.model_id.encode("utf-8") + b"\x00" + salt
+    data = _ROOT_TAG + spec.model_id.encode("utf-8") + b"\x00" + lora + salt
     return BlockHash(xxhash.xxh3_128_intdigest(data, spec.seed))
 
 
@@ -62,6 +67,7 @@ def hash_blocks(
     cache_salt: str | None = None,
     parent: BlockHash | None = None,
     start_block: int = 0,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` from block ``start_block`` on.
 
@@ -72,7 +78,7 @@ def hash_blocks(
     if parent is None:
         if start_block != 0:
             raise ValueError("parent is required when start_block > 0")
-        parent = root_hash(spec, cache_salt)
+        parent = root_hash(spec, cache_salt, lora_name)
     arr = np.asarray(token_ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in an unsigned 32-bit integer")

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_adapter_name(name: object) -> str:
+    """Adapter names are non-empty strings without NUL (the block hash ends them with one)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValueError(f"an adapter name must be a non-empty string without NUL, got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,11 @@ class EngineConfig:
     decode batched with a long prompt waits one step per token; ARCHITECTURE.md §4);
     an emulated engine's target is scaled by ``time_scale`` like its steps. A lone
     prompt's chunk may take four targets (``scheduler.LONE_STEPS``). None: tokens only.
+
+    ``enable_lora``: serve LoRA adapters (PEFT folders, ``replica/lora.py``) beside the
+    base model: at most ``max_loras`` resident at once (LRU; one step batches at most
+    that many), of rank at most ``max_lora_rank``; at most ``max_cpu_loras`` registered
+    (None: no limit). ``lora_modules``: ``{name: folder}`` loaded at start.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -57,6 +70,11 @@ class EngineConfig:
     host_kv_blocks: int = 0
     host_kv_gb: float = 0.0
     step_target_s: float | None = 0.25
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -99,6 +117,23 @@ class EngineConfig:
             raise ValueError(f"step_target_s must be > 0 or None, got {self.step_target_s!r}")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if not isinstance(self.lora_modules, Mapping):
+            raise ValueError(f"lora_modules must map adapter names to folders, got {type(self.lora_modules).__name__}")
+        for name, path in self.lora_modules.items():
+            check_adapter_name(name)
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules[{name!r}] must be a folder path, got {path!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
+        if self.enable_lora and self.emulate is not None:
+            raise ValueError("enable_lora is not supported on an emulated engine")
 
     def host_blocks(self, bytes_per_block: int) -> int:
         """The host tier's size in blocks: ``host_kv_blocks``, or ``host_kv_gb`` over

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.config import EngineConfig
@@ -17,6 +17,10 @@ from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
 from kvroute.replica.request import Request
 from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from kvroute.replica.lora import LoRAAdapter
+    from kvroute.replica.lora_slots import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ class EngineStats(LoadFigures):
     prefix_cache_host_hits: int = 0
     num_preemptions: int = 0
     max_batch_size: int = 0
+    num_loras: int = 0  # adapters loaded
+    num_resident_loras: int = 0  # of which in a device slot
+    lora_slot_loads: int = 0  # adapters copied into a device slot (a cold adapter's load)
     block_ref_counts: list[int] = field(repr=False, default_factory=list)
 
 
@@ -82,10 +89,20 @@ class Engine:
             SchedulerConfig(
                 config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.page_aligned,
                 target,
+                config.max_loras if config.enable_lora else 0,
             ),
             self.kv,
         )
         self.requests: dict[RequestId, Request] = {}
+        self.lora: LoRAManager | None = None
+        self._lora_served: set[str] = set()  # adapter names that have run a request here
+        if config.enable_lora:
+            from kvroute.replica.lora_slots import LoRAManager
+
+            self.lora = self.runner.lora = LoRAManager(self.arch, config.max_loras, config.max_lora_rank,
+                                                       config.max_cpu_loras, self.runner.lora_layers, self.runner.lora_batch)  # fmt: skip
+            for name, path in config.lora_modules.items():
+                self.load_lora(name, path)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
 
     def _load_model(self, config: EngineConfig) -> int:
@@ -102,8 +119,9 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.host_kv_blocks = config.host_blocks(block_bytes)
         graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
+        lora_slots = (config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0)
         self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes,
-                                  self.host_kv_blocks)  # fmt: skip
+                                  self.host_kv_blocks, lora_slots)  # fmt: skip
         self.sampler = Sampler(config.seed)
         return num_blocks
 
@@ -120,6 +138,7 @@ class Engine:
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
         route_ticket: int = 0,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate a request without touching engine state (safe from another thread).
 
@@ -128,6 +147,7 @@ class Engine:
         penalties, seeded sampling and the detokenizer's state, and are not streamed
         again, so the continuation equals an uninterrupted run. ``route_ticket``: the
         router's ticket for this request (reported back in ``LoadFigures.route_ticket``).
+        ``lora_name``: the loaded LoRA adapter to run with (None: the base model).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -169,7 +189,8 @@ class Engine:
             )
         if type(route_ticket) is not int or route_ticket < 0:
             raise ValueError(f"route_ticket must be a non-negative int, got {route_ticket!r}")
-        req = Request(rid, ids, params, self.hash_spec, cache_salt, self.eos_token_ids)
+        self._check_lora(lora_name)
+        req = Request(rid, ids, params, self.hash_spec, cache_salt, lora_name, self.eos_token_ids)
         req.route_ticket = route_ticket
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
         if resumed:
@@ -185,6 +206,9 @@ class Engine:
         """Queue a request built by :meth:`make_request`."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._check_lora(request.lora_name)  # it may have been unloaded since make_request
+        if request.lora_name is not None:
+            self._lora_served.add(request.lora_name)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -196,10 +220,55 @@ class Engine:
         cache_salt: str | None = None,
         resume_output: Sequence[int] = (),
         route_ticket: int = 0,
+        lora_name: str | None = None,
     ) -> Request:
-        req = self.make_request(request_id, token_ids, params, cache_salt, resume_output, route_ticket)
+        req = self.make_request(request_id, token_ids, params, cache_salt, resume_output, route_ticket, lora_name)
         self.add(req)
         return req
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _check_lora(self, name: str | None) -> None:
+        if name is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} was requested but this engine runs without enable_lora")
+        self.lora.require(name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Register the PEFT adapter in folder ``path`` as ``name`` (ValueError naming the
+        file and field when the folder is bad; nothing is kept then)."""
+        from kvroute.replica.lora import load_adapter
+
+        if self.lora is None:
+            raise ValueError("loading a LoRA adapter needs enable_lora=True")
+        self.add_lora(load_adapter(name, path, self.arch, self.config.max_lora_rank))
+
+    def add_lora(self, adapter: "LoRAAdapter") -> None:
+        """Register an adapter read by ``replica.lora.load_adapter``."""
+        if self.lora is None:
+            raise ValueError("loading a LoRA adapter needs enable_lora=True")
+        name = adapter.name
+        if name in self._lora_served and name not in self.lora.adapters:
+            # The name is the adapter's identity in the block hash: KV cached under an
+            # earlier adapter of this name must not serve the new one.
+            if not self.reset_prefix_cache():
+                raise ValueError(f"LoRA adapter name {name!r} was served before and its cached KV cannot be "
+                                 "dropped while requests run; load it under a new name or retry when idle")  # fmt: skip
+            self._lora_served.discard(name)
+        self.lora.add(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; refused (ValueError) while a request uses it."""
+        self._check_lora(name)
+        users = sum(1 for r in self.requests.values() if r.lora_name == name)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they finish")
+        assert self.lora is not None
+        self.lora.unload(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters, in load order."""
+        return [] if self.lora is None else list(self.lora.adapters)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already done."""
@@ -300,6 +369,9 @@ class Engine:
             prefix_cache_host_hits=self.kv.host_hits,
             num_preemptions=s.num_preemptions,
             max_batch_size=s.max_batch_size,
+            num_loras=0 if self.lora is None else len(self.lora.adapters),
+            num_resident_loras=0 if self.lora is None else len(self.lora.resident),
+            lora_slot_loads=0 if self.lora is None else self.lora.num_slot_loads,
             block_ref_counts=[b.ref_cnt for b in self.kv.pool.blocks] if with_ref_counts else [],
         )
 

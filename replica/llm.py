@@ -36,12 +36,14 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_name: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string (tokenized with the model's tokenizer) or a list of token
-        ids; a single prompt may be passed bare. Every request is validated before any
-        is queued, so a bad one leaves the engine untouched.
+        ids; a single prompt may be passed bare. ``lora_name``: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model). Every request is validated
+        before any is queued, so a bad one leaves the engine untouched.
         """
         token_lists = self._to_token_lists(prompts)
         if params is None:
@@ -49,9 +51,12 @@ class LLM:
         plist = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(token_lists):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(token_lists)} prompts")
+        loras = [lora_name] * len(token_lists) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(token_lists):
+            raise ValueError(f"got {len(loras)} lora_name entries for {len(token_lists)} prompts")
         reqs = [
-            self.engine.make_request(f"llm-{next(self._ids)}", ids, p, cache_salt)
-            for ids, p in zip(token_lists, plist)
+            self.engine.make_request(f"llm-{next(self._ids)}", ids, p, cache_salt, lora_name=lora)
+            for ids, p, lora in zip(token_lists, plist, loras)
         ]
         outputs = {r.request_id: RequestOutput(r.request_id, list(r.prompt_token_ids)) for r in reqs}
         for r in reqs:
@@ -81,6 +86,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [outputs[r.request_id] for r in reqs]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Register the PEFT adapter folder ``path`` as ``name`` (needs ``enable_lora``)."""
+        self.engine.load_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def chat(
         self,

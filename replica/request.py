@@ -32,6 +32,7 @@ class Request:
     params: SamplingParams
     hash_spec: HashSpec
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -51,7 +52,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self._root = root_hash(self.hash_spec, self.cache_salt)
+        self._root = root_hash(self.hash_spec, self.cache_salt, self.lora_name)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,9 @@ each prefill chunk cut to what its seconds buy at the measured cost
 next step and a long one still advances. A lone prompt's chunk may take ``LONE_STEPS``
 targets: a request arriving meanwhile joins only at the next step. Before any step is
 measured, a chunk is at most ``PROBE_TOKENS``.
+
+With LoRA, the running requests use at most ``max_loras`` distinct adapters: a waiting
+request of another adapter waits (in order) until one of them has no running request.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     page_aligned: bool = True
     step_target_s: float | None = None  # seconds a step with other requests aims at (None: tokens only)
+    max_loras: int = 0  # LoRA adapters one step may hold (0: no adapters to count)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -198,6 +202,8 @@ class Scheduler:
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allot: dict[int, float] | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._adapter_fits(req):
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -217,6 +223,13 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_hit, num_new))
             budget -= num_new
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """False when ``req``'s adapter would be one more than ``max_loras`` in the step."""
+        if req.lora_name is None or not self.config.max_loras:
+            return True
+        names = {r.lora_name for r in self.running if r.lora_name is not None}
+        return req.lora_name in names or len(names) < self.config.max_loras
 
     def _allot(self) -> dict[int, float] | None:
         """Seconds of this step each row with prompt left may spend on its chunk (by

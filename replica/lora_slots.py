@@ -1,0 +1,152 @@
+"""Adapters known to an engine, the ones resident on the device, and the layers that
+apply them (ARCHITECTURE.md §4, LoRA adapters).
+
+``LoRAManager`` keeps the registered adapters on the host (at most ``max_cpu_loras``)
+and ``max_loras`` device slots, assigned least recently used first. Each step,
+``segments`` makes the step's adapters resident (the scheduler never puts more than
+``max_loras`` adapters in one step, so a slot is always free or evictable) and lays out
+the rows: ``LoRASegments`` (``kernels/lora.py``) per run of rows of one adapter.
+
+``LoRALinear`` wraps one of the model's fused Linears (``qkv_proj``, ``o_proj``,
+``gate_up_proj``, ``down_proj``). PEFT's per-projection ``A``/``B`` land on the fused
+output slices: the slot's ``a`` stacks the slices' ``A`` (``[S·R, in]``, rank padded
+to ``max_lora_rank`` = ``R`` with zeros) and its ``b`` is block diagonal
+(``[out, S·R]``: slice *j*'s ``B × scale`` at its output rows and rank columns *j*), so
+one product serves every slice and an untargeted slice adds exact zeros.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from kvroute.kernels import ops
+from kvroute.kernels.lora import LoRASegments
+from kvroute.replica.lora import LoRAAdapter, module_shapes
+from kvroute.replica.models.arch import ModelArch
+
+# Fused Linear -> the PEFT projections side by side in its output.
+FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
+
+
+class LoRABatch:
+    """The current step's layout, shared by every ``LoRALinear`` (None: no adapter rows)."""
+
+    segments: LoRASegments | None = None
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus, for the rows of each adapter, that adapter's low-rank product."""
+
+    def __init__(self, base: nn.Module, fan_in: int, slice_outs: Sequence[int], max_loras: int, max_rank: int,
+                 batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        super().__init__()
+        self.base, self.batch = base, batch
+        self.slice_outs, self.max_rank = tuple(slice_outs), max_rank
+        width = len(slice_outs) * max_rank
+        self.a = torch.zeros((max_loras, width, fan_in), dtype=dtype, device=device)  # [slots, S·R, in]
+        self.b = torch.zeros((max_loras, sum(slice_outs), width), dtype=dtype, device=device)  # [slots, out, S·R]
+
+    def set_slot(self, slot: int, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
+        """Write one adapter's ``(A, B)`` per slice (None: slice not targeted) into ``slot``."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        row, r0 = 0, 0
+        for out, pair in zip(self.slice_outs, pairs):
+            if pair is not None:
+                a, b = pair
+                rank = a.shape[0]
+                self.a[slot, r0 : r0 + rank].copy_(a)
+                self.b[slot, row : row + out, r0 : r0 + rank].copy_(b * scale)
+            row, r0 = row + out, r0 + self.max_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        seg = self.batch.segments
+        if seg is not None:
+            ops.lora_add(y, x, self.a, self.b, seg)
+        return y
+
+
+def add_lora_layers(model: nn.Module, arch: ModelArch, max_loras: int, max_rank: int, batch: LoRABatch,
+                    dtype: torch.dtype, device: torch.device) -> list[dict[str, LoRALinear]]:  # fmt: skip
+    """Wrap every layer's fused Linears (after fusing and packing); per layer, the
+    wrappers by fused name."""
+    shapes = module_shapes(arch)
+    out = []
+    for layer in model.model.layers:
+        wrapped = {}
+        for fused, parts in FUSED_SLICES.items():
+            owner = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
+            lin = LoRALinear(getattr(owner, fused), shapes[parts[0]][0], [shapes[p][1] for p in parts],
+                             max_loras, max_rank, batch, dtype, device)  # fmt: skip
+            setattr(owner, fused, lin)
+            wrapped[fused] = lin
+        out.append(wrapped)
+    return out
+
+
+class LoRAManager:
+    """Registered adapters (host) and device slots (LRU). One caller: the engine."""
+
+    def __init__(self, arch: ModelArch, max_loras: int, max_rank: int, max_cpu_loras: int | None,
+                 layers: list[dict[str, LoRALinear]], batch: LoRABatch) -> None:  # fmt: skip
+        self.arch, self.max_loras, self.max_rank, self.max_cpu_loras = arch, max_loras, max_rank, max_cpu_loras
+        self.layers, self.batch = layers, batch
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self.num_slot_loads = 0  # adapters copied into a device slot
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Register a validated adapter (ValueError, nothing kept, if the name is taken,
+        ``max_cpu_loras`` are registered, or it was read for another rank limit)."""
+        if adapter.name in self.adapters:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded (unload it first)")
+        if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} adapters are loaded; unload one first")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank={self.max_rank}")
+        self.adapters[adapter.name] = adapter
+
+    def unload(self, name: str) -> None:
+        self.require(name)
+        del self.adapters[name]
+        self.resident.pop(name, None)  # its slot is simply reused later
+
+    def require(self, name: str) -> None:
+        if name not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+
+    def segments(self, rows: Sequence[tuple[int, int, str | None]], device: torch.device) -> LoRASegments | None:
+        """Make the adapters of ``rows`` (``(start, length, adapter or None)``) resident and
+        lay them out; also sets the shared ``LoRABatch``."""
+        names = {n for _, _, n in rows if n is not None}
+        slots = {n: self._slot(n, names) for n in names}
+        seg = LoRASegments.from_rows([(s, n, slots[a] if a is not None else -1) for s, n, a in rows], device)
+        self.batch.segments = seg
+        return seg
+
+    def _slot(self, name: str, pinned: set[str]) -> int:
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return self.resident[name]
+        used = set(self.resident.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(n for n in self.resident if n not in pinned)
+            slot = self.resident.pop(victim)
+        adapter = self.adapters[name]
+        for layer_idx, wrapped in enumerate(self.layers):
+            for fused, parts in FUSED_SLICES.items():
+                pairs = [adapter.weights.get((layer_idx, p)) for p in parts]
+                wrapped[fused].set_slot(slot, pairs, adapter.scale)
+        self.resident[name] = slot
+        self.num_slot_loads += 1
+        return slot
