@@ -30,7 +30,7 @@ Wire format, as read in the installed vLLM 0.32.0 source
 Translation: the directory is keyed on kvroute's own chained hash (ARCHITECTURE.md
 §3.1), recomputed from each stored block's token ids and its parent's kvroute hash, never
 on vLLM's hash (its function and seed are the worker's business). The first block of a
-chain hangs off ``root_hash(spec, request_salt(cache_salt, lora_name))``, so salts and
+chain hangs off ``root_hash(spec, cache_salt, lora_name)`` (the engine's own rule), so salts and
 LoRA adapters never share blocks, as in vLLM. ``WorkerCache`` keeps the engine-hash ->
 kvroute-hash map that removals need and forgets an entry once no tier holds the block;
 repeated stores of one engine hash (two physical blocks, or the offloading connector's
@@ -108,15 +108,6 @@ def block_removed(block_hashes: Sequence[EngineHash], medium: str = DEVICE) -> d
 
 def all_blocks_cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
-
-
-def request_salt(cache_salt: str | None, lora_name: str | None = None) -> str | None:
-    """The salt kvroute hashes a request's root with: the ``cache_salt`` as is, with the
-    LoRA adapter's name folded in when there is one. Callers that route (the ingress)
-    hash a LoRA request's prompt with this same salt."""
-    if lora_name is None:
-        return cache_salt
-    return "\x00lora\x00" + lora_name + ("" if cache_salt is None else "\x00" + cache_salt)
 
 
 # ---------------------------------------------------------------------- translation
@@ -198,7 +189,7 @@ class WorkerCache:
             raise _Unkeyable
         salt = _salt(extra, ev.get("lora_name"), first=parent is None)
         if parent is None:
-            parent_name = root_hash(self.spec, request_salt(salt, ev.get("lora_name")))
+            parent_name = root_hash(self.spec, salt, ev.get("lora_name"))
         else:
             parent_name = self.names.get(parent)
             if parent_name is None:
