@@ -48,8 +48,9 @@ from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import cpu_account, serving
 from kvroute.benchmarks import workloads as wl
+from kvroute.benchmarks.external_fleet import ExternalFleet
 from kvroute.benchmarks.fleets import (
-    EXTERNAL_ROUTERS, SERVE_ROUTERS, SERVED_NAME, ExternalFleet, Fleet, ServeFleet, external_available, per_replica,
+    EXTERNAL_ROUTERS, ONE_ROUTER, SERVE_ROUTERS, SERVED_NAME, Fleet, ServeFleet, external_available, per_replica,
 )
 from kvroute.benchmarks.router_report import format_rows, write_outputs
 from kvroute.deploy.cli import parse_engine_kwargs
@@ -74,7 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--add-replicas", type=int, default=0,
                    help="scale-out: every run starts with --replicas minus this many, which join mid-run")
     p.add_argument("--event-at", type=float, default=0.5,
-                   help="when replicas die or join, as a fraction of the trace's arrival span")
+                   help="when replicas die or join (or a router dies), as a fraction of the trace's arrival span")
+    p.add_argument("--ingresses", type=int, default=1,
+                   help="I ingresses, the clients spread evenly over them: I Serve ingresses sharing the engines "
+                        "and routers, I external router processes in front of the same replicas")
+    p.add_argument("--num-routers", type=int, default=None,
+                   help=f"kvroute's router actors (default: one per ingress; {ONE_ROUTER} always runs one)")
+    p.add_argument("--kill-router", action="store_true",
+                   help="kvroute only: the busiest of its router actors dies at --event-at (not restarted)")
+    p.add_argument("--window-s", type=float, default=60.0,
+                   help="the hit rate of the requests that start this long (unscaled s) after the event is reported")
     p.add_argument("--request-rates", default=None, help="comma list of request rates to sweep (default: --request-rate)")
     p.add_argument("--app-name", default="kvroute-bench")
     p.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
@@ -109,12 +119,18 @@ def _settings(args: argparse.Namespace, routers: list[str]) -> tuple[dict[str, A
 def _routers(args: argparse.Namespace) -> list[str]:
     routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
         *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
-    unknown = [r for r in routers if r not in SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)]
+    known = (*SERVE_ROUTERS, ONE_ROUTER, *EXTERNAL_ROUTERS)
+    unknown = [r for r in routers if r not in known]
     if unknown:
-        raise ValueError(f"unknown routers {unknown}; choose from {SERVE_ROUTERS + tuple(EXTERNAL_ROUTERS)}")
+        raise ValueError(f"unknown routers {unknown}; choose from {known}")
     missing = [r for r in routers if r in EXTERNAL_ROUTERS and not external_available(r)]
     if missing:
         raise ValueError(f"{missing} not installed (pip install {' '.join(r.replace('_', '-') for r in missing)})")
+    if args.ingresses < 1 or (args.num_routers is not None and args.num_routers < 1):
+        raise ValueError(f"--ingresses and --num-routers must be >= 1, got {args.ingresses} and {args.num_routers}")
+    if args.kill_router and (routers != ["kvroute"] or (args.num_routers or args.ingresses) < 2):
+        raise ValueError("--kill-router needs --routers kvroute and at least 2 router actors (--ingresses or --num-routers): "
+                         "the others take over")
     return routers
 
 
@@ -134,21 +150,49 @@ def _join_ray(args: argparse.Namespace) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
 
 
-async def _measure(fleet: Fleet, base_url: str, workload: wl.Workload, config: serving.LoadConfig,
+async def _measure(fleet: Fleet, base_urls: list[str], workload: wl.Workload, config: serving.LoadConfig,
                    decode: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """One benchmark; at ``--event-at`` × the trace's arrival span, ``--kill-replicas``
-    replicas die (and come back empty) and ``--add-replicas`` join, while it runs."""
-    bench = asyncio.ensure_future(serving.benchmark(base_url, workload, config, SERVED_NAME, decode))
-    events: dict[str, list[str]] = {"killed_replicas": [], "added_replicas": []}
-    if args.kill_replicas or args.add_replicas:
+    """One benchmark, its clients spread over ``base_urls``; at ``--event-at`` × the
+    trace's arrival span, ``--kill-replicas`` replicas die (and come back empty),
+    ``--add-replicas`` join and ``--kill-router`` kills a router actor, while it runs."""
+    bench = asyncio.ensure_future(serving.benchmark(base_urls, workload, config, SERVED_NAME, decode))
+    events: dict[str, Any] = {"killed_replicas": [], "added_replicas": [], "killed_routers": []}
+    if args.kill_replicas or args.add_replicas or args.kill_router:
         span = max(r.arrival_s for r in serving.with_arrivals(workload, config.request_rate, config.arrival, config.seed).requests)
         await asyncio.sleep(args.event_at * span * config.time_scale)
         if not bench.done() and args.kill_replicas:
             events["killed_replicas"] = await asyncio.to_thread(fleet.kill_replicas, args.kill_replicas)
         if not bench.done() and args.add_replicas:
             events["added_replicas"] = await asyncio.to_thread(fleet.add_replicas, args.add_replicas)
+        if not bench.done() and args.kill_router:
+            events["killed_routers"] = [await asyncio.to_thread(fleet.kill_router)]
+        events["event_s"] = args.event_at * span  # unscaled, as the results' start times
         print(f"  at {args.event_at:.0%} of the arrivals: " + ", ".join(f"{k} {v}" for k, v in events.items() if v), flush=True)
     return await bench, events
+
+
+def after_event(r: dict[str, Any], event_s: float, window_s: float) -> dict[str, Any]:
+    """The completed requests that started within ``window_s`` after the event: their
+    ids and prefix-cache hit rate (the same ids' rate in an undisturbed run compares)."""
+    picked = [i for i, (t, err) in enumerate(zip(r["start_times"], r["errors"])) if not err and event_s <= t < event_s + window_s]
+    return {"after_event_request_ids": [r["request_ids"][i] for i in picked],
+            "after_event_hit_rate": window_hit_rate(r, [r["request_ids"][i] for i in picked])}  # fmt: skip
+
+
+def window_hit_rate(r: dict[str, Any], request_ids: Sequence[str]) -> Optional[float]:
+    """Cached / prompt tokens over ``request_ids`` of run ``r`` (None: no prompt tokens)."""
+    at = {rid: i for i, rid in enumerate(r["request_ids"])}
+    idx = [at[rid] for rid in request_ids if rid in at and not r["errors"][at[rid]]]
+    prompt = sum(r["input_lens"][i] for i in idx)
+    return sum(r["cached_lens"][i] or 0 for i in idx) / prompt if prompt else None
+
+
+def per_ingress(r: dict[str, Any], ingresses: int) -> list[int]:
+    """Completed requests per ingress (the client's side of the spread)."""
+    counts = [0] * ingresses
+    for i, err in zip(r["ingresses"], r["errors"]):
+        counts[i] += not err
+    return counts
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
 
     serve_fleet, external_fleet = ServeFleet(args, engine_kwargs), ExternalFleet(args, engine_kwargs)
-    fleets: dict[str, Fleet] = {r: serve_fleet if r in SERVE_ROUTERS else external_fleet for r in routers}
+    fleets: dict[str, Fleet] = {r: external_fleet if r in EXTERNAL_ROUTERS else serve_fleet for r in routers}
     if any(f is serve_fleet for f in fleets.values()):
         _join_ray(args)
         if routers[0] != "kvroute":
@@ -178,10 +222,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
                 before, routing_before = fleet.counters(), fleet.router_counters()
                 cpu_before, t0 = cpu_account.snapshot(), time.perf_counter()
-                r, events = asyncio.run(_measure(fleet, info["base_url"], workload, dataclasses.replace(config, request_rate=rate),
+                r, events = asyncio.run(_measure(fleet, info["base_urls"], workload, dataclasses.replace(config, request_rate=rate),
                                                  decode, args))  # fmt: skip
                 cpu = cpu_account.usage(cpu_before, cpu_account.snapshot(), time.perf_counter() - t0)
-                run_info = {"router": router, **info, **events, "cpu": cpu, "fleet_cpu_cores": cpu["cores"]}
+                run_info = {"router": router, **info, **events, "cpu": cpu, "fleet_cpu_cores": cpu["cores"],
+                            "ingresses": args.ingresses, "requests_per_ingress": per_ingress(r, args.ingresses)}  # fmt: skip
+                if "event_s" in events:
+                    run_info.update(after_event(r, events["event_s"], args.window_s))
                 print(f"  fleet CPU: {cpu_account.describe(cpu)}", flush=True)
                 if before is not None:
                     time.sleep(1.5)  # the replicas' last metrics report
@@ -200,7 +247,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fleet.close()  # (one external router at a time: each start() stops the one before)
     meta = {
         "label": label, "workload": workload.name, "workload_params": workload.params, "model": args.model,
-        "replicas": args.replicas, "torch_threads": args.torch_threads, "engine_kwargs": engine_kwargs,
+        "replicas": args.replicas, "ingresses": args.ingresses, "num_routers": args.num_routers,
+        "torch_threads": args.torch_threads, "engine_kwargs": engine_kwargs,
         "routers": routers, "request_rates": rates, "max_concurrency": config.max_concurrency,
         "same_replicas_for_every_serve_router": bool(serve_fleet.replica_ids), "replica_ids": serve_fleet.replica_ids,
         "wall_s": time.perf_counter() - t_start,

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
-import sys
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from kvroute.cluster.config import ROUTER_CHOICES
 
 SERVE_ROUTERS = ROUTER_CHOICES
+# kvroute with a single router actor however many ingresses (``kvroute`` runs one per ingress)
+ONE_ROUTER = "kvroute_1router"
 # External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
 # --host/--port/--policy/--worker-urls), started with --policy cache_aware.
 EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}
-# how each registers a worker while it runs (sglang-router 0.3: JSON body; vllm-router: query)
-_ADD_WORKER = {"sglang_router": lambda url: ("/workers", {"json": {"url": url}}),
-               "vllm_router": lambda url: ("/add_worker", {"params": {"url": url}})}
 SERVED_NAME = "kvroute-bench"
 _CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -76,7 +73,11 @@ class Fleet(Protocol):
 # ---------------------------------------------------------------------- Serve fleet
 class ServeFleet:
     """One kvroute Serve application whose router is swapped between runs while the
-    engine replicas stay up."""
+    engine replicas stay up. With ``--ingresses I`` it serves I ingresses: the
+    application's own and I - 1 ingress-only applications in front of its engine
+    deployment and router actors (``deploy.app.compose_ingress_app``), each at its own
+    route prefix, so a client is pinned to one (ARCHITECTURE.md §7); kvroute then runs
+    ``--num-routers`` router actors (default I; ``kvroute_1router``: one)."""
 
     kind = "serve"
 
@@ -84,7 +85,9 @@ class ServeFleet:
         self.args = args
         self.engine_kwargs = engine_kwargs
         self.app_name = args.app_name
-        self.base_url = f"http://127.0.0.1:{args.http_port}/{self.app_name}"
+        self.ingresses = getattr(args, "ingresses", 1)
+        self.base_urls = [f"http://127.0.0.1:{args.http_port}/{self.ingress_app(i)}" for i in range(self.ingresses)]
+        self.base_url = self.base_urls[0]
         self.replica_ids: list[str] = []
         self._control = None  # handle whose request router is kvroute's (addressed calls)
         self._changed = False  # replicas were replaced or added since the last start
@@ -92,10 +95,15 @@ class ServeFleet:
         self.initial = args.replicas - args.add_replicas  # the fleet's size when a run starts
         self.size = self.initial
 
+    def ingress_app(self, i: int) -> str:
+        """The application (and route prefix) of ingress ``i``; 0 is the engines' own."""
+        return self.app_name if i == 0 else f"{self.app_name}-ingress{i}"
+
     def app_args(self, router: str) -> Any:
         from kvroute.deploy.app import parse_args, router_choice
 
-        route = router_choice(router)
+        route = router_choice("kvroute" if router == ONE_ROUTER else router)
+        num_routers = 1 if router == ONE_ROUTER else getattr(self.args, "num_routers", None) or self.ingresses
         return parse_args({
             "app_name": self.app_name,
             "llm_configs": [{
@@ -108,6 +116,7 @@ class ServeFleet:
                     "max_ongoing_requests": self.args.max_ongoing_requests,
                 },
                 "router_policy": route["router_policy"],
+                "num_routers": num_routers,
                 "torch_threads": self.args.torch_threads,
             }],
             "ingress": {"num_cpus": 0.1},
@@ -124,14 +133,24 @@ class ServeFleet:
         parsed = self.app_args(router)
         config = parsed.cluster_config()  # hash_seed is set: the same config build_app makes
         # between runs the old ingress is idle: no need to wait out Serve's drain loop
-        app = compose_app(parsed, engine_version=replica_version(config), ingress_version=f"{router}-{self._starts}",
-                          graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=5.0)  # fmt: skip
+        app = compose_app(parsed, engine_version=replica_version(config), **self._ingress_options(router))
         return app, config
+
+    def _ingress_options(self, router: str) -> dict[str, Any]:
+        return {"ingress_version": f"{router}-{self._starts}", "graceful_shutdown_wait_loop_s": 0.2,
+                "graceful_shutdown_timeout_s": 5.0}  # fmt: skip
 
     def deploy(self, router: str) -> None:
         from ray import serve
 
-        app, self.config = self.build(router)
+        from kvroute.deploy.app import compose_ingress_app
+
+        app, config = self.build(router)
+        if self._control is not None and config.num_routers != self.config.num_routers:
+            # another router count is another engine version (the replicas publish to every
+            # router) and other router actors: a clean start
+            self._control, self._changed = None, True
+        self.config = config
         if self._control is None:
             # a run that was stopped leaves its app and detached actors behind (a router
             # actor with another hash seed would refuse these replicas): start clean
@@ -139,8 +158,18 @@ class ServeFleet:
         if router == "prefix_affinity_ray":  # Ray's router keeps its tree in a detached actor
             self._kill_prefix_tree_actor()
         serve.run(app, name=self.app_name, route_prefix=f"/{self.app_name}")
+        for i in range(1, self.ingresses):
+            extra = compose_ingress_app(self.app_args(router), self.app_name, **self._ingress_options(router))
+            serve.run(extra, name=self.ingress_app(i), route_prefix=f"/{self.ingress_app(i)}")
         if self._control is None:
             self._control = serve.get_deployment_handle(self.config.deployment_name, app_name=self.app_name)
+
+    def router_actors(self) -> list[Any]:
+        import ray
+
+        from kvroute.cluster.messages import ROUTER_NAMESPACE
+
+        return [ray.get_actor(name, namespace=ROUTER_NAMESPACE) for name in self.config.router_actor_names]
 
     def router_actor(self) -> Any:
         import ray
@@ -203,23 +232,48 @@ class ServeFleet:
 
         resets = asyncio.run(reset_all())
         assert sorted(r["replica_id"] for r in resets) == self.replica_ids, resets
-        ray.get(self.router_actor().reset.remote(router_choice(router)["router_policy"], {}))
+        policy = router_choice("kvroute" if router == ONE_ROUTER else router)["router_policy"]
+        ray.get([actor.reset.remote(policy, {}) for actor in self.router_actors()])
         after = self.wait_registered(self.size)
         assert after == self.replica_ids, (after, self.replica_ids)
         for rid in self.replica_ids:  # the directory starts empty
             assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
         t_reset = time.perf_counter() - t0 - t_deploy
         self._router = router
-        warm_up(self.base_url, self.size)
+        for url in self.base_urls:
+            warm_up(url, self.size)
         time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
-        return {"fleet": self.kind, "base_url": self.base_url, "replica_ids": list(self.replica_ids),
-                "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}
+        return {"fleet": self.kind, "base_url": self.base_url, "base_urls": list(self.base_urls),
+                "replica_ids": list(self.replica_ids), "num_routers": self.config.num_routers,
+                "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}  # fmt: skip
 
     def counters(self) -> dict[str, dict[str, float]]:
         return wait_counters(self.base_url, self.replica_ids)
 
     def router_counters(self) -> dict[str, float]:
-        return router_counters(self.base_url)
+        """Every ingress's counters summed, but the routers' decisions (each ingress
+        shows all routers' own): those once; and ``ingress<i>:routed_requests``."""
+        each = [router_counters(url) for url in self.base_urls]
+        out = {k: v for k, v in each[0].items() if k.startswith("decisions:")}
+        for i, counters in enumerate(each):  # each ingress's own routed requests show the clients' spread
+            out[f"ingress{i}:routed_requests"] = counters.get("routed_requests", 0.0)
+            for k, v in counters.items():
+                if not k.startswith("decisions:"):
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+    def kill_router(self) -> str:
+        """SIGKILL-like death of the busiest router actor (most decisions so far), not
+        restarted: the ingresses that asked it fail over to the others. Its name."""
+        import ray
+
+        decided = [sum(s["decisions_by_reason"].values()) for s in ray.get([a.stats.remote() for a in self.router_actors()])]
+        name = self.config.router_actor_names[decided.index(max(decided))]
+        from kvroute.cluster.router_actor import kill_router_actor
+
+        kill_router_actor(name)
+        self._control, self._changed = None, True  # the next run starts clean, every router anew
+        return name
 
     def kill_replicas(self, n: int) -> list[str]:
         import ray
@@ -259,8 +313,10 @@ class ServeFleet:
         from kvroute.cluster.router_actor import kill_router_actors
 
         try:
-            if self.app_name in serve.status().applications:
-                serve.delete(self.app_name)
+            running = serve.status().applications
+            for app in [self.ingress_app(i) for i in range(1, self.ingresses)] + [self.app_name]:
+                if app in running:  # the extra ingresses first: they hold handles to the engines
+                    serve.delete(app)
         finally:
             kill_router_actors(self.app_name)
             self._kill_prefix_tree_actor()
@@ -380,105 +436,3 @@ def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) ->
             return False
 
     wait_until(up, timeout_s, f"{url} did not answer")
-
-
-class ExternalFleet:
-    """``--replicas`` single-engine servers (``kvroute serve-replica``) with SGLang's or
-    vLLM's router in front, started afresh for every run (cold caches)."""
-
-    kind = "serve-replica processes"
-    _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale",
-                  "host_kv_blocks")
-
-    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
-        self.args = args
-        self.engine_kwargs = engine_kwargs
-        self.procs: list[subprocess.Popen] = []  # the replicas, in the order of self.urls
-        self.router_proc: Optional[subprocess.Popen] = None
-        self.urls: list[str] = []
-        self.router, self.base_url = "", ""
-
-    def _start_replicas(self, n: int) -> list[str]:
-        """``n`` more ``serve-replica`` processes, once each answers ``/health``."""
-        kw = self.engine_kwargs
-        flags = ["--model", self.args.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
-        for key in self._FORWARDED:
-            if kw.get(key) is not None:
-                flags += [f"--{key.replace('_', '-')}", str(kw[key])]
-        new = []
-        for _ in range(n):
-            port = _free_port()
-            new.append(f"http://127.0.0.1:{port}")
-            self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags, "--replica-id",
-                                                f"ext-{len(self.urls) + len(new) - 1}", "--port", str(port)], env=self._env()))
-        self.urls += new
-        for url in new:
-            _wait_http(url + "/health", self.procs, 300)
-        return new
-
-    def start(self, router: str) -> dict[str, Any]:
-        self.close()
-        try:
-            urls = self._start_replicas(self.args.replicas - self.args.add_replicas)
-            port = _free_port()
-            self.router_proc = subprocess.Popen([sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1",
-                                                 "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls])
-            self.router, self.base_url = router, f"http://127.0.0.1:{port}"
-            _wait_http(self.base_url + "/v1/models", [*self.procs, self.router_proc], 120)
-            warm_up(self.base_url, len(urls))
-        except BaseException:
-            self.close()
-            raise
-        return {"fleet": self.kind, "base_url": self.base_url, "worker_urls": list(urls)}
-
-    def counters(self) -> None:
-        return None
-
-    def router_counters(self) -> None:
-        return None
-
-    def kill_replicas(self, n: int) -> list[str]:
-        killed = []
-        for i in range(n):
-            old = self.procs[i]
-            old.kill()
-            old.wait()
-            self.procs[i] = subprocess.Popen(old.args, env=self._env())
-            killed.append(self.urls[i])
-        for url in killed:
-            _wait_http(url + "/health", self.procs, 300)
-        return killed
-
-    def add_replicas(self, n: int) -> list[str]:
-        """``n`` new processes, registered with the running router through its
-        worker API; returns once the router lists them."""
-        import httpx
-
-        new = self._start_replicas(n)
-        for url in new:
-            path, kw = _ADD_WORKER[self.router](url)
-            r = httpx.post(self.base_url + path, timeout=60, **kw)
-            if r.status_code >= 400:
-                raise RuntimeError(f"{self.router} refused worker {url}: {r.status_code} {r.text[:200]}")
-
-        def listed() -> bool:
-            text = httpx.get(self.base_url + ("/workers" if self.router == "sglang_router" else "/list_workers"), timeout=30).text
-            return all(url in text for url in new)
-
-        wait_until(listed, 60, f"{self.router} did not list the new workers {new}")
-        return new
-
-    def _env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": str(self.args.torch_threads)}
-
-    def close(self) -> None:
-        procs = [p for p in (self.router_proc, *self.procs) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.procs, self.urls, self.router_proc = [], [], None

@@ -112,6 +112,7 @@ class RequestOutcome:
     prompt_tokens: int = 0
     cached_tokens: Optional[int] = None
     output_tokens: int = 0
+    ingress: int = 0  # which of the base URLs it was sent to
 
     @property
     def tpot_s(self) -> Optional[float]:
@@ -282,20 +283,23 @@ def build_payload(
 
 # ---------------------------------------------------------------------- the run
 async def run_load(
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str,
     workload: wl.Workload,
     config: LoadConfig,
     decode: Optional[Callable[[Sequence[int]], str]] = None,
 ) -> tuple[list[RequestOutcome], float]:
     """Offer ``workload`` (arrival times already stamped) to ``base_url``; returns the
-    outcomes in workload order and the wall time from the first send to the last end."""
+    outcomes in workload order and the wall time from the first send to the last end.
+    Several base URLs (ingresses) share the requests round robin: request *i* goes to
+    URL *i* mod their number, as a connection-level balancer spreads clients."""
     import httpx
 
-    url = base_url.rstrip("/") + config.endpoint
+    urls = [u.rstrip("/") + config.endpoint for u in ([base_url] if isinstance(base_url, str) else base_url)]
     by_id = {r.request_id: r for r in workload.requests}
     done = {r.request_id: asyncio.Event() for r in workload.requests}
-    outcomes = [RequestOutcome(r.request_id, prompt_tokens=r.num_prompt_tokens) for r in workload.requests]
+    outcomes = [RequestOutcome(r.request_id, prompt_tokens=r.num_prompt_tokens, ingress=i % len(urls))
+                for i, r in enumerate(workload.requests)]  # fmt: skip
     sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = None
     if config.progress:
@@ -317,10 +321,10 @@ async def run_load(
                         await asyncio.sleep(spec.think_time_s * config.time_scale)
                 payload = build_payload(spec, model, config, by_id, decode)
                 if sem is None:
-                    await send_request(client, url, payload, outcomes[i], t0, config)
+                    await send_request(client, urls[outcomes[i].ingress], payload, outcomes[i], t0, config)
                 else:
                     async with sem:
-                        await send_request(client, url, payload, outcomes[i], t0, config)
+                        await send_request(client, urls[outcomes[i].ingress], payload, outcomes[i], t0, config)
             finally:
                 done[spec.request_id].set()
                 if bar is not None:
@@ -336,16 +340,16 @@ async def run_load(
 
 
 async def benchmark(
-    base_url: str,
+    base_url: str | Sequence[str],
     workload: wl.Workload,
     config: LoadConfig,
     model: Optional[str] = None,
     decode: Optional[Callable[[Sequence[int]], str]] = None,
 ) -> dict[str, Any]:
     """Run one benchmark and return its JSON-ready result (metrics, per-request arrays,
-    the parameters)."""
+    the parameters). Several base URLs share the requests (``run_load``)."""
     if model is None:
-        model = await first_model(base_url, config.api_key)
+        model = await first_model(base_url if isinstance(base_url, str) else base_url[0], config.api_key)
     k = config.time_scale
     stamped = with_arrivals(workload, config.request_rate, config.arrival, config.seed)
     sent = with_arrivals(workload, config.request_rate / k, config.arrival, config.seed) if k != 1.0 else stamped
@@ -357,7 +361,7 @@ async def benchmark(
     load = {k: v for k, v in asdict(config).items() if k not in ("api_key", "progress")}
     load["request_rate"] = "inf" if math.isinf(config.request_rate) else config.request_rate
     return {
-        "base_url": base_url,
+        "base_url": base_url if isinstance(base_url, str) else list(base_url),
         "model": model,
         "workload": workload.name,
         "workload_params": workload.params,

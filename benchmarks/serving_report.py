@@ -96,6 +96,7 @@ def per_request(outcomes: Sequence[RequestOutcome]) -> dict[str, Any]:
         "e2els": [o.e2el_s for o in outcomes],
         "itls": [o.itl_s for o in outcomes],
         "errors": [o.error for o in outcomes],
+        "ingresses": [o.ingress for o in outcomes],
     }
 
 

@@ -229,6 +229,8 @@ class OpenAIIngress:
 
         parsed = parse_args(args)
         llm = parsed.llm_configs[0]
+        if isinstance(engine_handle, str):  # an extra ingress application (compose_ingress_app)
+            engine_handle = serve.get_deployment_handle(config.deployment_name, app_name=engine_handle)
         tokenizer, max_model_len, vocab_size = await load_model_info(config)
         self.config = config
         self.router_actors = get_or_create_router_actors(config)
@@ -296,9 +298,7 @@ def compose_app(
     replicas), ``ingress_version`` the ingress's (a redeploy with the same one keeps the
     ingress and the requests in flight through it), and ``ingress_options`` go to the
     ingress deployment's ``.options``."""
-    parsed = parse_args(args).model_copy(deep=True)
-    if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
-        parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
+    parsed = _with_api_key(args)
     config = parsed.cluster_config()
     if parsed.workers is not None:
         from kvroute.deploy.workers import WorkersIngress
@@ -306,13 +306,43 @@ def compose_app(
         ingress_class, bound = WorkersIngress, ()
     else:
         ingress_class, bound = OpenAIIngress, (build_engine_deployment(config, version=engine_version),)
-    ingress = serve.deployment(ingress_class).options(
+    ingress = _ingress_deployment(ingress_class, parsed, ingress_version, ingress_options)
+    return ingress.bind(parsed.model_dump(), config, *bound)
+
+
+def compose_ingress_app(
+    args: Union[dict[str, Any], AppArgs], engine_app: str, *, ingress_version: Optional[str] = None, **ingress_options: Any
+) -> serve.Application:
+    """An application that is only an ``OpenAIIngress``, in front of the engine
+    deployment and router actors of the running application ``engine_app`` (built from
+    the same ``args``, hash seed included): one more HTTP entry point (route prefix) to
+    the same fleet, with its own ingress process, handle and request router. The
+    multi-ingress benchmark serves I of them so that each client is pinned to one
+    ingress, which Serve's proxy cannot do among one deployment's replicas (ARCHITECTURE.md §7)."""
+    parsed = _with_api_key(args)
+    if parsed.workers is not None:
+        raise ValueError("compose_ingress_app fronts an engine deployment; an external-workers app has none")
+    if "hash_seed" not in parsed.llm_configs[0].engine_kwargs:
+        raise ValueError("compose_ingress_app needs engine_kwargs.hash_seed: the engine application's own seed")
+    ingress = _ingress_deployment(OpenAIIngress, parsed, ingress_version, ingress_options)
+    return ingress.bind(parsed.model_dump(), parsed.cluster_config(), engine_app)
+
+
+def _with_api_key(args: Union[dict[str, Any], AppArgs]) -> AppArgs:
+    parsed = parse_args(args).model_copy(deep=True)
+    if parsed.ingress.api_key is None and os.environ.get("KVROUTE_API_KEY"):
+        parsed.ingress.api_key = os.environ["KVROUTE_API_KEY"]  # resolved here, where the operator runs
+    return parsed
+
+
+def _ingress_deployment(cls: type, parsed: AppArgs, version: Optional[str], options: dict[str, Any]) -> Any:
+    ingress = serve.deployment(cls).options(
         name="OpenAIIngress",
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
-        **ingress_options,
+        **options,
     )
-    if ingress_version is not None:  # (Ray 2.60: version is an internal option, see build_engine_deployment)
-        ingress = ingress.options(_internal=True, version=ingress_version)
-    return ingress.bind(parsed.model_dump(), config, *bound)
+    if version is not None:  # (Ray 2.60: version is an internal option, see build_engine_deployment)
+        ingress = ingress.options(_internal=True, version=version)
+    return ingress
