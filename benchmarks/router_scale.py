@@ -2,7 +2,7 @@
 
     python -m kvroute.benchmarks.router_scale [--ingresses 1,2,4,8,16,32,64] [--replicas 16]
         [--scenarios b2b,zipf,multi-tenant] [--loads 0.85,0.95] [--peer-delay 0.002]
-        [--profile gpu_h100_llama3_8b] [--scale 1.0] [--out-dir results/router_scale]
+        [--profile gpu_h100_llama3_8b] [--scale 1.0] [--len-scale 1.0] [--output-len 0] [--out-dir results/router_scale]
 
 Clients are spread evenly over I ingresses (the simulator's routers take the arrivals
 in turn). Each cell runs, on the same trace and fleet (``fleet_matrix``'s scenarios,
@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.common import write_result
-from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, kv_blocks_of, workload_of
+from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
 from kvroute.benchmarks.router_report import markdown_table
 
 # variant -> (simulator policy, routers at I ingresses (None: I), peer delay (None: --peer-delay; -1: never))
@@ -79,7 +79,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvroute.replica.profiles import get_profile
 
     profile = get_profile(args.profile)
-    workload = workload_of(name, args.scale, 1.0, args.seed)
+    kwargs = {**SCENARIOS[name].workload_kwargs, **({"output_len": args.output_len} if args.output_len else {})}
+    workload = wl.make_workload(SCENARIOS[name].dataset, seed=args.seed, scale=args.scale, len_scale=args.len_scale, **kwargs)
     cfg = SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica),
                     block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
@@ -125,6 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--peer-delay", type=float, default=0.002, help="seconds until a decision reaches the other routers")
     p.add_argument("--profile", default="gpu_h100_llama3_8b")
     p.add_argument("--scale", type=float, default=1.0, help="workload size (requests, groups)")
+    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length")
+    p.add_argument("--output-len", type=int, default=0, help="every answer's length (0: the scenario's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="results/router_scale")
     args = p.parse_args(argv)

@@ -1,0 +1,252 @@
+"""The multi-ingress matrix (issue 30): every router at I ingresses, measured on emulated
+replicas, with the simulator's prediction beside each cell.
+
+    python -m kvroute.benchmarks.ingress_matrix [--ingresses 8,1,4,2] [--scenarios b2b,zipf,multi-tenant]
+        [--load 0.85] [--routers kvroute,kvroute_1router,prefix_affinity_ray,sglang_router,vllm_router]
+        [--replicas 16] [--profile gpu_h100_llama3_8b] [--time-scale 80] [--scale 0.25] [--len-scale 1.0]
+        [--output-len 32] [--kill-router zipf:4] [--out-dir results/ingress_matrix]
+    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.ingress_matrix ...)
+
+Each (scenario, I) is one ``compare_routers --ingresses I`` run on ``fleet_matrix``'s
+scenarios, KV sizing and load (a fraction of the simulator's capacity estimate for the
+fleet): kvroute with a router actor per ingress (``kvroute``) and with one
+(``kvroute_1router``), Ray's PrefixCacheAffinityRouter behind I Serve ingresses (its tree
+actor shared), and sglang-router / vllm-router as I independent processes in front of the
+same ``serve-replica --emulate`` workers; the clients are spread round robin over the
+ingresses. ``--output-len`` cuts every answer (the decode tail of a 256-token answer at
+``--time-scale 80`` is minutes of wall time per cell). ``--kill-router SCENARIO:I`` adds
+a kvroute run at that cell whose busiest router actor dies at mid-run, set against the
+same cell undisturbed: its errors and the hit rate of the requests that started in the
+``--window-s`` after the kill. Cells run in the order of ``--ingresses`` and the table is
+rewritten after each, so a cut-short run keeps what it measured. The simulator cells
+come from ``router_scale`` (``kvroute`` is its ``kvroute/N=I``, ``kvroute_1router`` its
+``kvroute/1``). Times are unscaled seconds.
+
+Outputs in ``--out-dir``: ``matrix.json`` (rows, kill run, targets), ``table.md``, and per
+cell the compare_routers outputs (``<scenario>-I<I>/``). One summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from kvroute.benchmarks import workloads as wl
+from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
+from kvroute.benchmarks.router_report import markdown_table
+
+# (in the order a run takes them: kvroute_1router after the others with one router per ingress, as
+# each change of the router count restarts the engine replicas)
+SIM_VARIANT = {"kvroute": "kvroute/N=I", "prefix_affinity_ray": "prefix_affinity_ray", "kvroute_1router": "kvroute/1",
+               "sglang_router": "sglang_router", "vllm_router": "vllm_router"}  # fmt: skip
+PEERS = ("prefix_affinity_ray", "sglang_router", "vllm_router")
+COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("router", "router", "{}"), ("N", "num_routers", "{}"),
+        ("ok", "completed", "{}"), ("err", "failed", "{}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
+        ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("out tok/s", "out_tok_s", "{:.0f}"),
+        ("hit (delivered)", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"),
+        ("best", "best_hit_rate", "{:.3f}"), ("pred err", "pred_cached_err", "{:.3f}"), ("CPU cores", "cpu_cores", "{:.2f}"),
+        ("ingress CPU", "ingress_cores", "{:.2f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]  # fmt: skip
+TARGET_COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("hit / I=1", "hit_vs_I1", "{:.3f}"),
+               ("p90 / I=1", "p90_vs_I1", "{:.2f}"), ("best peer", "best_peer", "{}"), ("p90 / best peer", "p90_vs_best_peer", "{:.2f}"),
+               ("tok/s / best peer", "throughput_vs_best_peer", "{:.2f}"), ("sim p90 / I=1", "sim_p90_vs_I1", "{:.2f}"),
+               ("sim p90 / best peer", "sim_p90_vs_best_peer", "{:.2f}")]  # fmt: skip
+# the processes of the ingress layer, by cpu_account kind
+INGRESS_KINDS = ("OpenAIIngress", "ProxyActor", "sglang_router.launch_router", "vllm_router.launch_router")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One scenario's trace and fleet, as every router and I meets it."""
+
+    scenario: str
+    workload: wl.Workload
+    workload_kwargs: dict[str, Any]
+    kv_blocks: int
+    capacity_rps: float
+    rate: float
+
+
+def make_cell(name: str, args: argparse.Namespace) -> Cell:
+    from kvroute.benchmarks.sim.simulator import estimate_capacity
+    from kvroute.replica.profiles import get_profile
+
+    s = SCENARIOS[name]
+    kwargs = {**s.workload_kwargs, **({"output_len": args.output_len} if args.output_len else {})}
+    workload = wl.make_workload(s.dataset, seed=args.seed, scale=args.scale, len_scale=args.len_scale, **kwargs)
+    profile = get_profile(args.profile)
+    kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
+    capacity = estimate_capacity(workload, profile, sim_config(args, kv_blocks))["capacity_rps"]
+    return Cell(name, workload, kwargs, kv_blocks, capacity, round(args.load * capacity, 3))
+
+
+def sim_config(args: argparse.Namespace, kv_blocks: int) -> Any:
+    from kvroute.benchmarks.sim.simulator import SimConfig
+
+    return SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
+                     max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
+
+
+def simulate(cell: Cell, ingresses: int, router: str, args: argparse.Namespace) -> dict[str, Any]:
+    from kvroute.benchmarks.router_scale import run_cell
+    from kvroute.replica.profiles import get_profile
+
+    stamped = wl.with_poisson_arrivals(cell.workload, cell.rate, seed=args.seed)
+    m = run_cell(stamped, get_profile(args.profile), sim_config(args, cell.kv_blocks), SIM_VARIANT[router], ingresses,
+                 args.peer_delay)  # fmt: skip
+    return {"sim_ttft_p90_ms": m["ttft_p90_s"] * 1000, "sim_ttft_p99_ms": m["ttft_p99_s"] * 1000, "sim_hit_rate": m["hit_rate"],
+            "sim_out_tok_s": m["output_tokens_per_s"]}  # fmt: skip
+
+
+def compare_argv(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, out: Path) -> list[str]:
+    from kvroute.replica.profiles import get_profile
+
+    engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": cell.kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                     "max_model_len": get_profile(args.profile).max_model_len}  # fmt: skip
+    argv = [
+        "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
+        "--routers", ",".join(routers), "--ingresses", str(ingresses), "--emulate", args.profile,
+        "--time-scale", str(args.time_scale), "--engine-kwargs", json.dumps(engine_kwargs), "--request-rate", str(cell.rate),
+        "--dataset-name", SCENARIOS[cell.scenario].dataset, "--workload-kwargs", json.dumps(cell.workload_kwargs),
+        "--scale", str(args.scale), "--len-scale", str(args.len_scale), "--seed", str(args.seed), "--out-dir", str(out),
+        "--label", out.name, "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
+        "--timeout-s", str(args.timeout_s),
+    ]  # fmt: skip
+    return argv + (["--address", args.address] if args.address else [])
+
+
+def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, *extra: str) -> list[dict[str, Any]]:
+    """One compare_routers run at I = ``ingresses``: a row per router, with its run's JSON."""
+    from kvroute.benchmarks import compare_routers
+
+    out = Path(args.out_dir) / f"{cell.scenario}-I{ingresses}{'-kill' if extra else ''}"
+    combined = compare_routers.run(compare_routers.build_parser().parse_args(
+        compare_argv(cell, ingresses, routers, args, out) + list(extra)))  # fmt: skip
+    rows = []
+    for row in combined["rows"]:
+        run = json.loads((out / f"{row['run']}.json").read_text())
+        by_kind = (run.get("cpu") or {}).get("by_kind", {})
+        rows.append({**row, "scenario": cell.scenario, "ingresses": ingresses, "load": args.load,
+                     "num_routers": run.get("num_routers"), "requests_per_ingress": run["requests_per_ingress"],
+                     "ingress_cores": sum(v for k, v in by_kind.items() if k in INGRESS_KINDS),
+                     "cpu_by_kind": by_kind, "run_json": str(out / f"{row['run']}.json")})  # fmt: skip
+    return rows
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (scenario, I): kvroute (N = I) against kvroute at I = 1 and the best peer at I
+    (by p90), measured and simulated."""
+    by = {(r["scenario"], r["ingresses"], r["router"]): r for r in rows}
+    out = []
+    for (scen, i, router), k in sorted(by.items()):
+        base = by.get((scen, 1, "kvroute"))
+        if router != "kvroute" or base is None:
+            continue
+        peers = [by[(scen, i, p)] for p in PEERS if (scen, i, p) in by and by[(scen, i, p)]["completed"]]
+        best = min(peers, key=lambda p: p["ttft_p90_ms"]) if peers else None
+        out.append({
+            "scenario": scen, "ingresses": i,
+            "hit_vs_I1": k["hit_rate"] / max(base["hit_rate"], 1e-12), "p90_vs_I1": k["ttft_p90_ms"] / max(base["ttft_p90_ms"], 1e-9),
+            "sim_p90_vs_I1": k["sim_ttft_p90_ms"] / max(base["sim_ttft_p90_ms"], 1e-9),
+            "best_peer": best and best["router"],
+            "p90_vs_best_peer": best and k["ttft_p90_ms"] / max(best["ttft_p90_ms"], 1e-9),
+            "throughput_vs_best_peer": best and k["out_tok_s"] / max(best["out_tok_s"], 1e-9),
+            "sim_p90_vs_best_peer": best and k["sim_ttft_p90_ms"] / max(best["sim_ttft_p90_ms"], 1e-9),
+        })  # fmt: skip
+    return out
+
+
+def kill_report(killed: dict[str, Any], undisturbed: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The kill run against the same cell undisturbed: the same requests' hit rates."""
+    from kvroute.benchmarks.compare_routers import window_hit_rate
+
+    run = json.loads(Path(killed["run_json"]).read_text())
+    ids = run.get("after_event_request_ids", [])
+    report = {"scenario": killed["scenario"], "ingresses": killed["ingresses"], "killed_routers": run.get("killed_routers"),
+              "failed": killed["failed"], "completed": killed["completed"], "window_requests": len(ids),
+              "failovers": (run.get("routing") or {}).get("failovers"), "fallbacks": (run.get("routing") or {}).get("fallbacks"),
+              "hit_after_kill": run.get("after_event_hit_rate"), "p90_ms": killed["ttft_p90_ms"]}  # fmt: skip
+    if undisturbed is not None:
+        base = json.loads(Path(undisturbed["run_json"]).read_text())
+        report["hit_same_requests_undisturbed"] = window_hit_rate(base, ids)
+        report["p90_ms_undisturbed"] = undisturbed["ttft_p90_ms"]
+    return report
+
+
+def write(out: Path, rows: list[dict[str, Any]], kill: Optional[dict[str, Any]], args: argparse.Namespace, t0: float) -> list[dict[str, Any]]:
+    from kvroute.benchmarks.common import machine
+
+    tg = targets(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "ingress_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args), "rows": rows,
+              "targets": tg, "kill": kill, "machine": machine(), "wall_s": time.perf_counter() - t0}  # fmt: skip
+    (out / "matrix.json").write_text(json.dumps(result, indent=1))
+    text = markdown_table(rows, COLS) + "\n\n" + markdown_table(tg, TARGET_COLS) + "\n"
+    if kill:
+        text += "\nkill: " + json.dumps(kill) + "\n"
+    (out / "table.md").write_text(text)
+    return tg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.ingress_matrix", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ingresses", default="8,1,4,2", help="the I to run, in this order")
+    p.add_argument("--scenarios", default="b2b,zipf,multi-tenant")
+    p.add_argument("--load", type=float, default=0.85, help="a fraction of the scenario's estimated capacity")
+    p.add_argument("--routers", default=",".join(SIM_VARIANT))
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--profile", default="gpu_h100_llama3_8b")
+    p.add_argument("--time-scale", type=float, default=80.0)
+    p.add_argument("--scale", type=float, default=0.25, help="multiplies the groups / tenants / requests")
+    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length")
+    p.add_argument("--output-len", type=int, default=32, help="every answer's length (0: the scenario's own)")
+    p.add_argument("--kill-router", default=None, metavar="SCENARIO:I", help="a kvroute run at that cell loses a router mid-run")
+    p.add_argument("--window-s", type=float, default=60.0, help="the kill run's hit-rate window after the kill (unscaled s)")
+    p.add_argument("--peer-delay", type=float, default=0.002, help="the simulator's lag between kvroute's routers (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--app-name", default="kvroute-ingress")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--address", default=None)
+    p.add_argument("--out-dir", default=str(Path(os.environ.get("KVROUTE_RESULTS", "results")) / "ingress_matrix"))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    routers = [r for r in args.routers.split(",") if r]
+    bad = [s for s in scenarios if s not in SCENARIOS] + [r for r in routers if r not in SIM_VARIANT]
+    if bad:
+        print(f"error: unknown scenarios or routers {bad}", file=sys.stderr)
+        return 2
+    t0, out = time.perf_counter(), Path(args.out_dir)
+    cells = {name: make_cell(name, args) for name in scenarios}
+    rows: list[dict[str, Any]] = []
+    kill, tg = None, []
+    for i in (int(x) for x in args.ingresses.split(",")):
+        for cell in cells.values():
+            here = [r for r in routers if not (i == 1 and r == "kvroute_1router")]  # the same as kvroute at I = 1
+            rows += [{**r, **simulate(cell, i, r["router"], args)} for r in measure(cell, i, here, args)]
+            if args.kill_router == f"{cell.scenario}:{i}":
+                killed = measure(cell, i, ["kvroute"], args, "--kill-router", "--window-s", str(args.window_s))[0]
+                same = next((r for r in rows if (r["scenario"], r["ingresses"], r["router"]) == (cell.scenario, i, "kvroute")), None)
+                kill = kill_report(killed, same)
+            tg = write(out, rows, kill, args, t0)
+    ours = sum(r["failed"] for r in rows if r["router"].startswith("kvroute")) + (kill["failed"] if kill else 0)
+    worst = max((t["p90_vs_I1"] for t in tg), default=math.nan)
+    print(f"ingress_matrix: {len(rows)} runs, {sum(r['failed'] for r in rows)} errors ({ours} kvroute's); "
+          f"worst kvroute p90 / I=1 {worst:.2f}  [{out}]")  # fmt: skip
+    return 0 if ours == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
