@@ -26,7 +26,7 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             # kvroute's own: requests routed without the router, and |predicted - actual| cached tokens / prompt tokens
             "fallbacks": routing.get("fallbacks"),
             "pred_cached_err": (routing["cached_tokens_abs_error"] / max(r["total_input_tokens"], 1)
-                                if "cached_tokens_abs_error" in routing else None),
+                                if routing.get("routed_requests") else None),  # (none: the router predicted nothing)
             # decision quality (kvroute's /metrics): the reuse the directory saw available and the
             # router captured, per offered token; peers have only delivered (hit) and best possible
             "available_rate": _share(routing, "available"), "captured_rate": _share(routing, "captured"),

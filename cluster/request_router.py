@@ -16,6 +16,7 @@ never fail because of the routers.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import random
@@ -43,6 +44,14 @@ ROUTER_DOWN_S = 5.0  # a router that did not answer is skipped this long
 # Process-wide counts over every KVRouteRequestRouter in this process (Serve builds one
 # per handle): what the HTTP ingress exports as kvroute:router_fallbacks / _failovers.
 PROCESS_STATS = {"ranked": 0, "fallbacks": 0, "failovers": 0}
+
+
+def _process_stats() -> dict[str, int]:
+    """``PROCESS_STATS`` of the imported module. Serve can hand this class to a process
+    pickled by value, with its own copy of this module's globals (seen in the ingress:
+    the router's failovers counted where /metrics never read them), so the class looks
+    the counts up through ``sys.modules`` instead of its globals."""
+    return importlib.import_module(__name__).PROCESS_STATS
 
 
 def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
@@ -128,10 +137,10 @@ class KVRouteRequestRouter(RequestRouter):
                 self._actors.pop(name, None)
                 self._down_until[name] = time.monotonic() + ROUTER_DOWN_S
                 if i + 1 < len(names):
-                    PROCESS_STATS["failovers"] += 1
+                    _process_stats()["failovers"] += 1
                 continue
             self._down_until.pop(name, None)
-            PROCESS_STATS["ranked"] += 1
+            _process_stats()["ranked"] += 1
             return ranking
         raise error
 
@@ -153,7 +162,7 @@ class KVRouteRequestRouter(RequestRouter):
         return [random.sample(candidates, min(2, len(candidates)))]
 
     def _note_fallback(self, exc: BaseException) -> None:
-        PROCESS_STATS["fallbacks"] += 1
+        _process_stats()["fallbacks"] += 1
         if self._fallback_counter is not None:
             try:
                 self._fallback_counter.inc()
