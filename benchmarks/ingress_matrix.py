@@ -4,7 +4,7 @@ replicas, with the simulator's prediction beside each cell.
     python -m kvroute.benchmarks.ingress_matrix [--ingresses 8,1,4,2] [--scenarios b2b,zipf,multi-tenant]
         [--load 0.85] [--routers kvroute,kvroute_1router,prefix_affinity_ray,sglang_router,vllm_router]
         [--replicas 16] [--profile gpu_h100_llama3_8b] [--time-scale 80] [--scale 0.25] [--len-scale 1.0]
-        [--output-len 32] [--kill-router zipf:4] [--out-dir results/ingress_matrix]
+        [--sizes b2b=0.5:0.25] [--output-len 32] [--kill-router zipf:8] [--out-dir results/ingress_matrix]
     (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.ingress_matrix ...)
 
 Each (scenario, I) is one ``compare_routers --ingresses I`` run on ``fleet_matrix``'s
@@ -66,6 +66,8 @@ class Cell:
     """One scenario's trace and fleet, as every router and I meets it."""
 
     scenario: str
+    scale: float
+    len_scale: float
     workload: wl.Workload
     workload_kwargs: dict[str, Any]
     kv_blocks: int
@@ -78,12 +80,23 @@ def make_cell(name: str, args: argparse.Namespace) -> Cell:
     from kvroute.replica.profiles import get_profile
 
     s = SCENARIOS[name]
+    scale, len_scale = sizes(args).get(name, (args.scale, args.len_scale))
     kwargs = {**s.workload_kwargs, **({"output_len": args.output_len} if args.output_len else {})}
-    workload = wl.make_workload(s.dataset, seed=args.seed, scale=args.scale, len_scale=args.len_scale, **kwargs)
+    workload = wl.make_workload(s.dataset, seed=args.seed, scale=scale, len_scale=len_scale, **kwargs)
     profile = get_profile(args.profile)
     kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
     capacity = estimate_capacity(workload, profile, sim_config(args, kv_blocks))["capacity_rps"]
-    return Cell(name, workload, kwargs, kv_blocks, capacity, round(args.load * capacity, 3))
+    return Cell(name, scale, len_scale, workload, kwargs, kv_blocks, capacity, round(args.load * capacity, 3))
+
+
+def sizes(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """``--sizes``: scenario -> (scale, len_scale)."""
+    out = {}
+    for item in filter(None, args.sizes.split(",")):
+        name, _, value = item.partition("=")
+        scale, _, len_scale = value.partition(":")
+        out[name] = (float(scale), float(len_scale or 1.0))
+    return out
 
 
 def sim_config(args: argparse.Namespace, kv_blocks: int) -> Any:
@@ -114,7 +127,7 @@ def compare_argv(cell: Cell, ingresses: int, routers: Sequence[str], args: argpa
         "--routers", ",".join(routers), "--ingresses", str(ingresses), "--emulate", args.profile,
         "--time-scale", str(args.time_scale), "--engine-kwargs", json.dumps(engine_kwargs), "--request-rate", str(cell.rate),
         "--dataset-name", SCENARIOS[cell.scenario].dataset, "--workload-kwargs", json.dumps(cell.workload_kwargs),
-        "--scale", str(args.scale), "--len-scale", str(args.len_scale), "--seed", str(args.seed), "--out-dir", str(out),
+        "--scale", str(cell.scale), "--len-scale", str(cell.len_scale), "--seed", str(args.seed), "--out-dir", str(out),
         "--label", out.name, "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
         "--timeout-s", str(args.timeout_s),
     ]  # fmt: skip
@@ -206,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=80.0)
     p.add_argument("--scale", type=float, default=0.25, help="multiplies the groups / tenants / requests")
     p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length")
+    p.add_argument("--sizes", default="", metavar="SCENARIO=SCALE:LEN_SCALE,...", help="per scenario --scale and --len-scale")
     p.add_argument("--output-len", type=int, default=32, help="every answer's length (0: the scenario's own)")
     p.add_argument("--kill-router", default=None, metavar="SCENARIO:I", help="a kvroute run at that cell loses a router mid-run")
     p.add_argument("--window-s", type=float, default=60.0, help="the kill run's hit-rate window after the kill (unscaled s)")
