@@ -68,7 +68,7 @@ class ExternalFleet:
                 self.base_urls.append(f"http://127.0.0.1:{port}")
             for url in self.base_urls:
                 _wait_http(url + "/v1/models", [*self.procs, *self.router_procs], 120)
-                warm_up(url, len(urls))
+                warm_up(url, -(-len(urls) // self.ingresses))  # as many in all as with one router
         except BaseException:
             self.close()
             raise

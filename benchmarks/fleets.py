@@ -240,8 +240,8 @@ class ServeFleet:
             assert ray.get(self.router_actor().directory.remote(rid)) == [], rid
         t_reset = time.perf_counter() - t0 - t_deploy
         self._router = router
-        for url in self.base_urls:
-            warm_up(url, self.size)
+        for url in self.base_urls:  # as many warm-up requests in all as with one ingress
+            warm_up(url, -(-self.size // self.ingresses))
         time.sleep(1.5)  # the warm-up reaches the replicas' metrics reports before the run's baseline
         return {"fleet": self.kind, "base_url": self.base_url, "base_urls": list(self.base_urls),
                 "replica_ids": list(self.replica_ids), "num_routers": self.config.num_routers,
