@@ -124,3 +124,21 @@ def test_bad_workers_are_refused_with_the_field_named(workers, message):
     with pytest.raises(ValueError) as exc:
         parse_args(args)
     assert str(exc.value) == f"invalid kvroute application args: {message}"
+
+
+def test_an_ingress_only_app_needs_the_engine_apps_seed_and_an_engine_app():
+    """compose_ingress_app (the multi-ingress benchmark's extra ingresses) refuses args
+    that could not share the engine application's directory: no pinned hash seed, or an
+    external-workers application (which has no engine deployment)."""
+    from ray.serve.deployment import Application
+
+    from kvroute.deploy.app import compose_ingress_app
+
+    base = _app_args(yaml.safe_load((DEPLOY / "serve.yaml").read_text()))
+    with pytest.raises(ValueError, match="needs engine_kwargs.hash_seed"):
+        compose_ingress_app(base, "kvroute")
+    llm = {**base["llm_configs"][0], "engine_kwargs": {**base["llm_configs"][0].get("engine_kwargs", {}), "hash_seed": 7}}
+    assert isinstance(compose_ingress_app({**base, "llm_configs": [llm]}, "kvroute"), Application)
+    workers = _app_args(yaml.safe_load((DEPLOY / "serve_workers.yaml").read_text()))
+    with pytest.raises(ValueError, match="external-workers app has none"):
+        compose_ingress_app(workers, "kvroute")
