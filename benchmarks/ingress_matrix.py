@@ -58,7 +58,7 @@ TARGET_COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("hit /
                ("tok/s / best peer", "throughput_vs_best_peer", "{:.2f}"), ("sim p90 / I=1", "sim_p90_vs_I1", "{:.2f}"),
                ("sim p90 / best peer", "sim_p90_vs_best_peer", "{:.2f}")]  # fmt: skip
 # the processes of the ingress layer, by cpu_account kind
-INGRESS_KINDS = ("OpenAIIngress", "ProxyActor", "sglang_router.launch_router", "vllm_router.launch_router")
+INGRESS_KINDS = ("OpenAIIngress", "ProxyActor", "sglang::router", "vllm::router")  # (the peers retitle their processes)
 
 
 @dataclasses.dataclass(frozen=True)
