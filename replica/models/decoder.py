@@ -219,5 +219,6 @@ class DecoderForCausalLM(nn.Module):
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], the model's dtype
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, vocab]
+        """The rows' logits in the model's dtype, into ``out`` when given."""
+        return ops.lm_head(hidden, self.lm_head, out)
