@@ -106,16 +106,12 @@ def profile_decode(folder: Path, batch: int, context: int, iters: int = 20) -> d
         host = host_phases(runner, step)
     except ImportError:  # an engine from before _StepInputs (a side-by-side with an older commit)
         host = {}
-    try:
-        from kvroute.kernels.few_rows_linear import tuning
-    except ImportError:  # an engine from before the logits kernel (a side-by-side with an older commit)
-        tuning = list
     wall, gpu = statistics.median(walls), statistics.median(gpus)
     nbytes = decode_bytes(weight_bytes_of(runner.model), arch, batch, context, 2)
     roofline = nbytes / copy_bandwidth()
     return dict(batch=batch, context=context, step_ms=wall * 1e3, replay_and_logits_gpu_ms=gpu * 1e3,
                 host_ms=(wall - gpu) * 1e3, roofline_ms=roofline * 1e3, roofline_fraction=roofline / wall,
-                host_phases_us=host, profile=out, logits_tuning=tuning())  # fmt: skip
+                host_phases_us=host, profile=out)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -201,8 +197,6 @@ def main(argv: list[str] | None = None) -> None:
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))  # fmt: skip
             for name, us in list(split["by_kernel_us"].items())[:10]:
                 print(f"    {us:8.1f} us  {name[:110]}")
-        for t in r["logits_tuning"]:
-            print(f"  logits M<={t['block_m']}: chose {t['chosen']}; " + ", ".join(f"{k} {v * 1e3:.0f} us" for k, v in t["ms"].items()))
         print("  host: " + ", ".join(f"{k} {v:.0f} us" for k, v in r["host_phases_us"].items()))
         parts.append(f"b{r['batch']}: step {r['step_ms']:.2f} ms = GPU {r['replay_and_logits_gpu_ms']:.2f} + host "
                      f"{r['host_ms']:.2f}, roofline {r['roofline_ms']:.2f} ({r['roofline_fraction']:.0%})")  # fmt: skip

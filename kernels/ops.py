@@ -21,7 +21,6 @@ import torch
 from kvroute.kernels import cpu_kernels
 from kvroute.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kvroute.kernels.attention_metadata import AttentionMetadata
-from kvroute.kernels.few_rows_linear import few_rows_linear
 from kvroute.kernels.kv_store import store_kv_reference, store_kv_triton
 from kvroute.kernels.lora import LoRASegments, lora_add_reference, lora_add_triton
 from kvroute.kernels.paged_attention import paged_attention_reference, paged_attention_triton
@@ -100,18 +99,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_triton(gate_up.contiguous())
     native = cpu_kernels.silu_and_mul(gate_up) if _native() else None
     return native if native is not None else silu_and_mul_reference(gate_up)
-
-
-def lm_head(hidden: torch.Tensor, head: torch.nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits ``hidden [N, hidden] · Wᵀ`` (into ``out [N, vocab]`` when given): on Triton
-    devices through ``few_rows_linear`` (a decode batch's few rows are a weight stream
-    that cuBLAS runs at half the copy bandwidth), else the head module itself (on CPU a
-    prepacked oneDNN Linear)."""
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and uses_triton(hidden.device):
-        return few_rows_linear(hidden.contiguous(), weight, out)
-    logits = head(hidden)
-    return logits if out is None else out.copy_(logits)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
