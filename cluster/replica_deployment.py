@@ -144,8 +144,7 @@ class EngineReplica:
         """This replica's exact cache and block state (for tests and operators)."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         state = await self.engine.debug_state()
-        seqs = [link.publisher.seq for link in self.links]
-        return {"replica_id": self.replica_id, **state, "publisher_seq": seqs[0], "publisher_seqs": seqs, **self.counters}
+        return {"replica_id": self.replica_id, **state, "publisher_seq": self.links[0].publisher.seq, **self.counters}
 
     async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
         """Forget every cached block (between benchmark runs, so each starts cold); only
