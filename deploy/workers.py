@@ -54,7 +54,7 @@ class ForwardingServing(OpenAIServing):
     takes_raw_body = True
 
     async def completions(self, req: CompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        self.check_model(req.model)
+        await self.check_model(req.model)
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed",
@@ -64,7 +64,7 @@ class ForwardingServing(OpenAIServing):
         return await self.backend.forward("/v1/completions", raw, token_lists[0], req.cache_salt, req.stream)
 
     async def chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        self.check_model(req.model)
+        await self.check_model(req.model)
         self._check_n(req.n)
         ids = await asyncio.to_thread(
             self._chat_ids, template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages"

@@ -201,6 +201,14 @@ class AsyncEngine:
         lora = self.engine.lora
         return {} if lora is None else {name: str(a.path) for name, a in lora.adapters.items()}
 
+    async def list_loras(self) -> dict[str, str]:
+        """``lora_modules()``, as OpenAIServing's adapter host asks for it."""
+        return self.lora_modules()
+
+    async def find_lora(self, name: str) -> bool:
+        """Whether adapter ``name`` is loaded (this host loads nothing on demand)."""
+        return name in self.lora_modules()
+
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))
         self._ensure_loop()
