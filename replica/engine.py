@@ -104,6 +104,8 @@ class Engine:
             for name, path in config.lora_modules.items():
                 self.load_lora(name, path)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
+        if self.lora is not None:
+            self.telemetry.lora_state = self.lora.state
 
     def _load_model(self, config: EngineConfig) -> int:
         """The model runner (weights on the device) and the sampler; returns the KV

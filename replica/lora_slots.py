@@ -17,6 +17,7 @@ one product serves every slice and an untargeted slice adds exact zeros.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Sequence
 
@@ -100,6 +101,7 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.num_slot_loads = 0  # adapters copied into a device slot
+        self.load_s = 0.0  # seconds a slot load takes (moving average; what the router prices a cold adapter at)
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Register a validated adapter (ValueError, nothing kept, if the name is taken,
@@ -143,10 +145,19 @@ class LoRAManager:
             victim = next(n for n in self.resident if n not in pinned)
             slot = self.resident.pop(victim)
         adapter = self.adapters[name]
+        t0 = time.perf_counter()
         for layer_idx, wrapped in enumerate(self.layers):
             for fused, parts in FUSED_SLICES.items():
                 pairs = [adapter.weights.get((layer_idx, p)) for p in parts]
                 wrapped[fused].set_slot(slot, pairs, adapter.scale)
+        if self.layers and self.layers[0]["qkv_proj"].a.is_cuda:
+            torch.cuda.synchronize()  # (copies are asynchronous: time them whole)
+        seconds = time.perf_counter() - t0
+        self.load_s = seconds if not self.num_slot_loads else 0.8 * self.load_s + 0.2 * seconds
         self.resident[name] = slot
         self.num_slot_loads += 1
         return slot
+
+    def state(self) -> tuple[tuple[str, ...], float]:
+        """(the resident adapters, the seconds a slot load takes): the load report's."""
+        return tuple(self.resident), self.load_s
