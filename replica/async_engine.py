@@ -176,12 +176,10 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str) -> None:
         """Register a PEFT adapter folder as ``name`` between steps (``Engine.load_lora``);
         the folder is read in a worker thread."""
-        from kvroute.replica.lora import load_adapter
-
         e = self.engine
         if e.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
-        adapter = await asyncio.to_thread(load_adapter, name, path, e.arch, e.config.max_lora_rank)
+        adapter = await asyncio.to_thread(e.lora.read, name, path)
         await self.between_steps(lambda: e.add_lora(adapter))
 
     async def unload_lora(self, name: str) -> None:
