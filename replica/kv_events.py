@@ -27,7 +27,10 @@ class LoadFigures:
 
     ``resident_loras``: the LoRA adapters in its device slots (a request of another one
     waits for a slot load first), and ``adapter_load_s`` what such a load takes there
-    (measured, or its emulation profile's; 0.0: unknown or no adapters)."""
+    (measured, or its emulation profile's; 0.0: unknown or no adapters).
+    ``running_loras``: the adapters of its running requests; once they are ``max_loras``
+    (its slots; 0: no adapters), a request of another adapter waits until one of them
+    has no running request, and so does every request queued behind it."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -40,6 +43,8 @@ class LoadFigures:
     host_restore_tokens_per_s: float = 0.0  # measured host -> device KV copy rate (0: no host tier or not yet)
     resident_loras: tuple[str, ...] = ()
     adapter_load_s: float = 0.0
+    running_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

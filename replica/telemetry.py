@@ -48,6 +48,8 @@ class ReplicaTelemetry:
         s = self.scheduler
         spans = s.queued_spans()
         resident, load_s = ((), 0.0) if self.lora_state is None else self.lora_state()
+        slots = s.config.max_loras
+        running = tuple(sorted({r.lora_name for r in s.running if r.lora_name is not None})) if slots else ()
         return LoadFigures(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
@@ -60,6 +62,8 @@ class ReplicaTelemetry:
             host_restore_tokens_per_s=self.host_restore_tokens_per_s,
             resident_loras=resident,
             adapter_load_s=load_s,
+            running_loras=running,
+            max_loras=slots,
         )
 
     def events(self) -> KVEvents:

@@ -24,7 +24,9 @@ LoRA adapters: each report names the adapters resident in the replica's device s
 (``LoadFigures.resident_loras``) and what a slot load takes there (``adapter_load_s``); a
 request routed there with an adapter counts that adapter resident until a report that
 no longer needs the increment (it will be loaded for the request), so a burst of one
-adapter's requests sees it where the first went.
+adapter's requests sees it where the first went. Likewise running: a replica whose
+running requests hold all of its ``max_loras`` slots makes a request of another adapter
+wait for one to free (``adapters``' ``blocked``).
 
 Layout: each replica owns a slot (reused after removal) and every figure the policies
 read on the request path is a column (a list indexed by slot), so a report or an
@@ -77,6 +79,8 @@ class LoadView:
         self.unpriced: list[int] = []  # queued tokens not in queued_s: the increments (all, without an estimate)
         self.resident: list[frozenset[str]] = []  # LoRA adapters in device slots, and those routed there since
         self.adapter_load_s: list[float] = []  # seconds a slot load takes there (0.0: unknown)
+        self.running_loras: list[frozenset[str]] = []  # adapters of running requests, and those routed there since
+        self.max_loras: list[int] = []  # its adapter slots (0: no adapters)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
         # per slot: (ticket, uncached tokens, deadline, adapter) of each request routed
         # there that no report counts yet, oldest first (tickets and deadlines both increase)
@@ -138,6 +142,8 @@ class LoadView:
     def _bump(self, slot: int, uncached_tokens: int, lora_name: str | None = None) -> None:
         if lora_name is not None and lora_name not in self.resident[slot]:
             self.resident[slot] = self.resident[slot] | {lora_name}
+        if lora_name is not None and lora_name not in self.running_loras[slot]:
+            self.running_loras[slot] = self.running_loras[slot] | {lora_name}
         self.in_flight[slot] += 1
         self.queue_len[slot] += 1
         self.backlog[slot] += 1
@@ -161,6 +167,8 @@ class LoadView:
         self.unpriced[s] = 0 if f.queued_prefill_s else f.queued_prefill_tokens
         self.resident[s] = frozenset(f.resident_loras)
         self.adapter_load_s[s] = f.adapter_load_s
+        self.running_loras[s] = frozenset(f.running_loras)
+        self.max_loras[s] = f.max_loras
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:
@@ -209,12 +217,17 @@ class LoadView:
             getter(self.unpriced),
         )
 
-    def adapters(self, getter: Callable[[list], Sequence] | None, lora_name: str) -> tuple[list[bool], Sequence[float]]:
+    def adapters(
+        self, getter: Callable[[list], Sequence] | None, lora_name: str
+    ) -> tuple[list[bool], Sequence[float], list[bool]]:
         """For the candidates ``getter`` selects: whether ``lora_name`` must be loaded
-        into a slot there (not resident), and the seconds such a load takes (0.0: unknown)."""
-        resident = self.resident if getter is None else getter(self.resident)
-        loads = self.adapter_load_s if getter is None else getter(self.adapter_load_s)
-        return [lora_name not in r for r in resident], loads
+        into a slot there (not resident), the seconds such a load takes (0.0: unknown),
+        and whether it must wait for a slot (every slot held by running requests of
+        other adapters)."""
+        pick = (lambda col: col) if getter is None else getter
+        running, slots = pick(self.running_loras), pick(self.max_loras)
+        blocked = [bool(m) and lora_name not in run and len(run) >= m for run, m in zip(running, slots)]
+        return [lora_name not in r for r in pick(self.resident)], pick(self.adapter_load_s), blocked
 
     def has_report(self, replica_id: str) -> bool:
         return self._reports[self._get(replica_id)] > 0
@@ -241,6 +254,8 @@ class LoadView:
             unpriced_tokens=self.unpriced[s],
             resident_loras=tuple(sorted(self.resident[s])),
             adapter_load_s=f.adapter_load_s,
+            running_loras=tuple(sorted(self.running_loras[s])),
+            max_loras=f.max_loras,
         )
         return cached
 
@@ -252,7 +267,7 @@ class LoadView:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
             self.interference, self.queue_len, self.backlog, self.free_blocks, self.queued_s, self.unpriced,
-            self.resident, self.adapter_load_s, self._transit, self._figures,
+            self.resident, self.adapter_load_s, self.running_loras, self.max_loras, self._transit, self._figures,
             self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 

@@ -174,7 +174,7 @@ class Router:
             )
         table = self._table(block_hashes, cs)
         if lora_name is not None:
-            table.adapter_cold, table.adapter_load_s = self.loads.adapters(cs.loads, lora_name)
+            table.adapter_cold, table.adapter_load_s, table.adapter_blocked = self.loads.adapters(cs.loads, lora_name)
         request = RouteRequest(block_hashes, num_tokens, cands, table, unsalted_hashes, lora_name)
         policy = self.policy
         decision = policy.choose(request, self)

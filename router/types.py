@@ -96,13 +96,14 @@ class CandidateTable:
     ``host_depth[i]``: blocks past ``depth[i]`` that candidate ``i``'s host tier holds
     (None: no candidate has any), restored at ``host_rate[i]`` tokens/s (0: unmeasured).
     ``adapter_cold[i]``: the request's LoRA adapter is not resident on candidate ``i``
-    (None: a base-model request), a slot load of ``adapter_load_s[i]`` seconds (0.0: unknown).
+    (None: a base-model request), a slot load of ``adapter_load_s[i]`` seconds (0.0: unknown);
+    ``adapter_blocked[i]``: it would wait there for a slot that running requests hold.
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
         "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
-        "adapter_cold", "adapter_load_s",
+        "adapter_cold", "adapter_load_s", "adapter_blocked",
     )  # fmt: skip
 
     def __init__(
@@ -140,6 +141,7 @@ class CandidateTable:
         self.host_rate: Sequence[float] = ()
         self.adapter_cold: Sequence[bool] | None = None
         self.adapter_load_s: Sequence[float] = ()
+        self.adapter_blocked: Sequence[bool] | None = None
 
     def longest(self) -> int:
         """The most leading blocks any candidate holds, counting both tiers."""

@@ -12,6 +12,9 @@ A request of a LoRA adapter not resident on ``r`` waits for a slot load too: ``w
 grows by ``r``'s ``adapter_load_s`` (measured there, or the profile's; unknown: the
 candidates' mean, else ``default_adapter_load_s``), so one adapter's requests gather
 where it is loaded and its prefixes are cached, and spread when that replica is busy.
+A third admission rule: a candidate whose running requests hold all its adapter slots
+with other adapters takes no request of another one while some candidate can (it would
+wait for a slot, and block the requests queued behind it).
 
 ``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
 measured step cost: a long prompt's deep positions cost more per token than a short
@@ -191,6 +194,8 @@ class KVRoutePolicy(Policy):
         if request.lora_name is not None:
             table.adapter_cold = [request.lora_name not in ld.resident_loras for ld in loads]
             table.adapter_load_s = [ld.adapter_load_s for ld in loads]
+            table.adapter_blocked = [bool(ld.max_loras) and request.lora_name not in ld.running_loras
+                                     and len(ld.running_loras) >= ld.max_loras for ld in loads]  # fmt: skip
         return table
 
     def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0) -> RouteDecision:
@@ -206,7 +211,8 @@ class KVRoutePolicy(Policy):
         least = min(table.free_blocks)
         kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
         top = est.top
-        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
+        blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
+        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit) and not (blocked and blocked[top]):
             if self._clear_owner(est, n, saturated):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
         own = [n] * len(qlen)
@@ -216,6 +222,9 @@ class KVRoutePolicy(Policy):
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
             ok = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
+        if blocked is not None:  # no free adapter slot: the request would wait for running ones to finish
+            free = [not b for b in blocked] if ok is None else [a and not b for a, b in zip(ok, blocked)]
+            ok = free if any(free) else ok
         best = min(ts) if ok is None else min(compress(ts, ok))
         pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:

@@ -93,3 +93,18 @@ def test_a_cold_load_is_weighed_against_the_resident_replicas_queue(load_s, expe
     r = _router(r0=queued, r1=LoadFigures(**RATE, adapter_load_s=load_s))
     h, n = _prompt(5, "x")
     assert r.route(h, n, lora_name="x").replica_id == expect
+
+
+def test_a_replica_whose_slots_running_requests_hold_takes_no_other_adapter():
+    """r0 owns the prompt and is idle-ish, but its running requests hold both its slots
+    with other adapters: x would wait there (and block its queue), so r1 takes it."""
+    full = LoadFigures(**RATE, num_running=2, running_loras=("p", "q"), resident_loras=("p", "q"), max_loras=2)
+    r = _router(r0=full, r1=LoadFigures(**RATE, num_running=6, max_loras=2, running_loras=("p",)))
+    h, n = _prompt(6, "x")
+    r.apply(KVEvents("r0", 2, stored=list(h), load=full))
+    assert r.route(h, n, lora_name="x").replica_id == "r1"
+    assert r.load("r1").running_loras == ("p", "x")  # routed since the last report: x holds r1's second slot
+    assert r.route(_prompt(7, "p")[0], n, lora_name="p").replica_id == "r0"  # p runs there: no wait
+    assert r.route(*_prompt(8, "x"), lora_name="x").replica_id == "r1"
+    # no slot anywhere for y: the rule steps aside and the TTFT decides (r0: fewer running)
+    assert r.route(*_prompt(9, "y"), lora_name="y").replica_id == "r0"
