@@ -79,7 +79,7 @@ class AdapterSlots:
         """Make ``names`` resident; the seconds the slot loads took."""
         pinned = set(names)
         seconds = 0.0
-        for name in pinned:
+        for name in sorted(pinned):  # (a set's order follows the process' string hashing: runs would differ)
             if name in self.resident:
                 self.resident.move_to_end(name)
             else:

@@ -110,7 +110,7 @@ class LoRAManager(AdapterSlots):
         """Make the adapters of ``rows`` (``(start, length, adapter or None)``) resident and
         lay them out; also sets the shared ``LoRABatch``."""
         names = {n for _, _, n in rows if n is not None}
-        slots = {n: self._slot(n, names) for n in names}
+        slots = {n: self._slot(n, names) for n in sorted(names)}
         seg = LoRASegments.from_rows([(s, n, slots[a] if a is not None else -1) for s, n, a in rows], device)
         self.batch.segments = seg
         return seg
