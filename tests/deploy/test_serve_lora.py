@@ -152,6 +152,15 @@ def test_unload_reaches_every_replica(app):
     assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 404
 
 
+def test_metrics_count_the_adapter_loads(app):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(app[0] + "/metrics", timeout=30).text)}
+    loads = [s.value for s in fams["kvroute:lora_slot_loads"].samples if s.name.endswith("_total")]
+    assert len(loads) == 3 and sum(loads) >= 3  # a, b and c ran; each replica counts its own
+    assert all(s.value <= 2 for s in fams["kvroute:lora_resident_adapters"].samples)  # max_num_adapters_per_replica
+
+
 def test_nothing_left_allocated(app):
     _, config, router = app
 
