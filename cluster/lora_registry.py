@@ -23,6 +23,7 @@ import asyncio
 import logging
 import secrets
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import ray
@@ -89,6 +90,11 @@ def get_or_create_lora_registry(config: ClusterConfig) -> ray.actor.ActorHandle:
     ).remote(dict(config.engine.lora_modules))
 
 
+def _same(a: str | None, b: str | None) -> bool:
+    """Two spellings of one folder (the engine keeps ``Path(path).expanduser()``)."""
+    return a is not None and b is not None and Path(a).expanduser() == Path(b).expanduser()
+
+
 class ReplicaAdapters:
     """One replica's engine in step with the registry (one caller: the replica's loop)."""
 
@@ -119,7 +125,7 @@ class ReplicaAdapters:
             return await asyncio.shield(pending)
         known = self._loaded().get(name)
         if known is not None:
-            if known != path:
+            if not _same(known, path):
                 raise ValueError(f"LoRA adapter {name!r} is already loaded (from {known}); unload it first")
             return
         future = self._loading[name] = asyncio.get_running_loop().create_future()
@@ -155,7 +161,7 @@ class ReplicaAdapters:
             _, modules = await self.registry.snapshot.remote()
         self.epoch = epoch
         for name, path in self._loaded().items():
-            if modules.get(name) != path and name not in self._loading:
+            if not _same(modules.get(name), path) and name not in self._loading:
                 try:
                     await self.engine.unload_lora(name)
                 except ValueError:  # in use: the next sync
