@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from kvroute.replica.lora import ATTN_MODULES, CONFIG_FILE, MODULES, WEIGHTS_FILE, module_shapes
+from kvroute.replica.lora import WEIGHTS_FILE, module_shapes
+from kvroute.replica.lora_config import ATTN_MODULES, CONFIG_FILE, MODULES
 from kvroute.replica.models.arch import ModelArch
 
 

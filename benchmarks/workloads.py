@@ -61,7 +61,8 @@ class RequestSpec:
     ``arrival_s`` is only a lower bound. ``output_token_ids`` (optional) are the tokens
     a simulator should "generate" so later turns find their history cached.
     ``cache_salt``: the tenant's salt, sent as the request's ``cache_salt`` (blocks of
-    different salts never share KV, however equal their tokens).
+    different salts never share KV, however equal their tokens). ``lora_name``: the LoRA
+    adapter it names as its ``model`` (its blocks never share KV with another's either).
     """
 
     request_id: str
@@ -75,6 +76,7 @@ class RequestSpec:
     think_time_s: float = 0.0
     output_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -89,8 +89,9 @@ class KVRouteClient:
         request_id: str | None = None,
         prompt: str | None = None,
         on_route: Callable[[RouteTrace], None] | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one request. ``on_route``, when given, is called with where the request
+        """Stream one request (``lora_name``: with that LoRA adapter). ``on_route``, when given, is called with where the request
         went and what the router expected there, as its first token arrives (again
         after a resume, with reason ``resumed``); not called when another Serve router
         routes (nothing records the replica)."""
@@ -100,7 +101,7 @@ class KVRouteClient:
         if not ids:
             raise ValueError("prompt must not be empty (got 0 tokens)")
         rid = RequestId(request_id or uuid.uuid4().hex)
-        hashes = hash_blocks(self.hash_spec, ids, cache_salt)  # full blocks, as the engine hashes them
+        hashes = hash_blocks(self.hash_spec, ids, cache_salt, lora_name=lora_name)  # full blocks, as the engine hashes them
         if prompt is None:
             prompt = " ".join(map(str, ids))  # text stand-in for text-matching routers
         streamed: list[int] = []
@@ -115,6 +116,7 @@ class KVRouteClient:
                 cache_salt=cache_salt,
                 resume_output=list(streamed),
                 prompt=prompt,
+                lora_name=lora_name,
             )
             with _own_serve_request():
                 response = self._stream_handle.generate.remote(request)
@@ -168,6 +170,20 @@ class KVRouteClient:
     async def complete(self, token_ids: Sequence[int], params: SamplingParams, **kwargs: Any) -> list[TokenDelta]:
         """Every delta of one request (convenience for tests and batch jobs)."""
         return [d async for d in self.generate(token_ids, params, **kwargs)]
+
+    async def load_lora(self, name: str, path: str, timeout_s: float = 300.0) -> None:
+        """Load a LoRA adapter on one replica (any): how a new folder is checked before the
+        application lists it. ValueError (the engine's, unwrapped) for a bad folder."""
+        with _own_serve_request():
+            response = self._handle.load_lora.remote(name, path)
+        try:
+            await asyncio.wait_for(response, timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ReplicaUnavailableError(f"no replica loaded LoRA adapter {name!r} within {timeout_s} s") from None
+        except ValueError as exc:  # Ray wraps the replica's error
+            cause = getattr(exc, "cause", None)
+            raise ValueError(str(cause) if isinstance(cause, ValueError) else str(exc)) from None
 
     async def debug_state(self, replica_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """One replica's exact cache and block state (needs the kvroute request router)."""

@@ -33,6 +33,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # Written by the caller's Serve request router (it runs in the caller's process and
     # sees this very object): ``route``, the router's decision, before Serve sends the
     # request (the replica takes the router's ticket from it); ``served_by``, the

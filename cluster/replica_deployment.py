@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.lora_registry import ReplicaAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import get_or_create_router_actors
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # torch stays out of the processes that only hold a handle (t
 log = logging.getLogger(__name__)
 
 
+LORA_SYNC_S = 1.0  # how often a replica matches its adapters to the application's registry
 EngineFactory = Callable[[EngineConfig], Awaitable["AsyncEngine"]]
 
 
@@ -122,14 +124,22 @@ class EngineReplica:
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
         self.links = [_RouterLink(self, actor) for actor in get_or_create_router_actors(config)]
         self.engine.add_event_listener(self._on_events)
+        self.adapters: ReplicaAdapters | None = None
+        if config.engine.enable_lora:  # the application's adapters, before any request comes
+            self.adapters = ReplicaAdapters(self.engine, get_or_create_lora_registry(config), config.engine.max_cpu_loras)
+            await self.adapters.sync()
         # traffic routed by the directory can come at once: every router knows this replica
         await asyncio.gather(*(link.register() for link in self.links), return_exceptions=True)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(link.publish_loop()) for link in self.links]
         self._tasks.append(loop.create_task(self._metrics_loop()))
+        if self.adapters is not None:
+            self._tasks.append(loop.create_task(self._lora_loop()))
 
     # ------------------------------------------------------------------ serving
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if request.lora_name is not None and self.adapters is not None:
+            await self.adapters.ensure(request.lora_name)  # loaded on first use here
         async for delta in self.engine.generate(
             request.token_ids,
             request.params,
@@ -137,6 +147,7 @@ class EngineReplica:
             cache_salt=request.cache_salt,
             resume_output=request.resume_output,
             route_ticket=request.route.ticket if request.route is not None else 0,
+            lora_name=request.lora_name,
         ):
             yield delta
 
@@ -144,8 +155,15 @@ class EngineReplica:
         """This replica's exact cache and block state (for tests and operators)."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         state = await self.engine.debug_state()
-        seqs = [link.publisher.seq for link in self.links]
-        return {"replica_id": self.replica_id, **state, "publisher_seq": seqs[0], "publisher_seqs": seqs, **self.counters}
+        return {"replica_id": self.replica_id, **state, "publisher_seq": self.links[0].publisher.seq,
+                "loras": self.engine.lora_names(), **self.counters}  # fmt: skip
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter here (the ingress has one replica check a new folder before the
+        registry lists it; ValueError naming the file and field when it is bad)."""
+        if self.adapters is None:
+            raise ValueError("this application runs without LoRA adapters (set enable_lora or lora_config)")
+        await self.adapters.load(name, path)
 
     async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
         """Forget every cached block (between benchmark runs, so each starts cold); only
@@ -172,6 +190,17 @@ class EngineReplica:
     def _on_events(self, events: KVEvents) -> None:
         for link in self.links:
             link.add(events)
+
+    async def _lora_loop(self) -> None:
+        assert self.adapters is not None
+        while not self.closing:
+            await asyncio.sleep(LORA_SYNC_S)
+            try:
+                await self.adapters.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # registry restarting: the next round retries
+                log.debug("replica %s: LoRA sync failed (%r)", self.replica_id, exc)
 
     async def _metrics_loop(self) -> None:
         """Send this replica's metrics report (engine figures + latency histograms) to

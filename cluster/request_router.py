@@ -150,7 +150,7 @@ class KVRouteRequestRouter(RequestRouter):
             actor = self._actors[name] = await asyncio.wait_for(
                 asyncio.to_thread(ray.get_actor, name, namespace=ROUTER_NAMESPACE), self._timeout_s
             )
-        ref = actor.rank.remote(request.block_hashes, request.num_tokens, candidates)
+        ref = actor.rank.remote(request.block_hashes, request.num_tokens, candidates, request.lora_name)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
         except asyncio.TimeoutError:

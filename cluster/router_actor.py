@@ -39,8 +39,8 @@ from kvroute.cluster.messages import ROUTER_NAMESPACE, Ranking
 log = logging.getLogger(__name__)
 
 PEER_FLUSH_S = 0.002  # a router sends its peers its decisions at least this often while it decides
-# One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time.
-PeerDecision = tuple[str, Sequence[BlockHash], int, int, float]
+# One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time, LoRA adapter.
+PeerDecision = tuple[str, Sequence[BlockHash], int, int, float, "str | None"]
 
 
 class RouterService:
@@ -144,9 +144,12 @@ class RouterService:
                 self.counters["expired_replicas"] += 1
 
     # ------------------------------------------------------------------ routing
-    def rank(self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str]) -> Ranking:
-        """Order ``candidates`` for one request; unknown candidates (not registered yet,
-        e.g. a replica that just started) go last, in random order."""
+    def rank(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str], lora_name: str | None = None
+    ) -> Ranking:
+        """Order ``candidates`` for one request (of LoRA adapter ``lora_name``); unknown
+        candidates (not registered yet, e.g. a replica that just started) go last, in
+        random order."""
         self._expire_silent()
         known = [c for c in candidates if c in self.router.directory]
         unknown = [c for c in candidates if c not in self.router.directory]
@@ -154,9 +157,9 @@ class RouterService:
         if not known:
             self.counters["unregistered_routes"] += 1
             return Ranking(unknown, 0, "unregistered")
-        decision = self.router.route(block_hashes, num_tokens, known)
+        decision = self.router.route(block_hashes, num_tokens, known, lora_name=lora_name)
         if self._share is not None:
-            self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time()))
+            self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
             self._flush_peers()
         rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
         return Ranking(
@@ -189,8 +192,8 @@ class RouterService:
         """Apply another router's decisions; returns how many named a known replica."""
         self._flush_peers()
         now, applied = time.time(), 0
-        for replica_id, hashes, num_tokens, ticket, sent in batch:
-            applied += self.router.note_routed(replica_id, hashes, num_tokens, ticket)
+        for replica_id, hashes, num_tokens, ticket, sent, lora_name in batch:
+            applied += self.router.note_routed(replica_id, hashes, num_tokens, ticket, lora_name)
             self._staleness_s.append(max(now - sent, 0.0))
         return applied
 

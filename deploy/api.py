@@ -75,7 +75,7 @@ def build_api(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return serving.models()
+        return await serving.models()
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:

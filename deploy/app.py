@@ -80,9 +80,20 @@ class DeploymentSpec(_Strict):
         return v
 
 
+class LoRAConfigSpec(_Strict):
+    """Ray Serve LLM's ``lora_config``: LoRA adapters on every replica (``enable_lora``).
+    ``dynamic_lora_loading_path``: a local folder every replica sees; a request naming an
+    adapter X not loaded yet loads ``<path>/X`` (``deploy/fleet_adapters.py``).
+    ``max_num_adapters_per_replica``: adapters resident at once (``max_loras``)."""
+
+    dynamic_lora_loading_path: Optional[str] = Field(default=None, min_length=1)
+    max_num_adapters_per_replica: int = Field(default=16, ge=1)
+
+
 class LLMConfig(_Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    lora_config: Optional[LoRAConfigSpec] = None
     deployment_config: DeploymentSpec = Field(default_factory=DeploymentSpec)
     router_policy: str = "kvroute"
     router_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -97,6 +108,19 @@ class LLMConfig(_Strict):
         if unknown:
             raise ValueError(f"unknown engine_kwargs {sorted(unknown)}; EngineConfig takes {sorted(fields)}")
         return v
+
+    def engine_config(self) -> EngineConfig:
+        """The engine every replica runs: ``engine_kwargs``, with ``lora_config`` turning
+        adapters on (ValueError where the two disagree)."""
+        kwargs = dict(self.engine_kwargs)
+        if self.lora_config is not None:
+            lora = {"enable_lora": True, "max_loras": self.lora_config.max_num_adapters_per_replica}
+            clash = [k for k, v in lora.items() if k in kwargs and kwargs[k] != v]
+            if clash:
+                raise ValueError(f"engine_kwargs {clash} disagree with lora_config (enable_lora is implied and "
+                                 "max_loras is max_num_adapters_per_replica)")  # fmt: skip
+            kwargs.update(lora)
+        return EngineConfig(model=self.model_loading_config.model_source or self.model_loading_config.model_id, **kwargs)
 
 
 class IngressSpec(ServerLimits):
@@ -127,7 +151,7 @@ class AppArgs(_Strict):
     def cluster_config(self) -> ClusterConfig:
         llm = self.llm_configs[0]
         dep = llm.deployment_config
-        engine = EngineConfig(model=llm.model_loading_config.model_source or llm.model_loading_config.model_id, **llm.engine_kwargs)
+        engine = llm.engine_config()
         if dep.num_replicas is None and dep.autoscaling_config is None:
             num_replicas: Optional[int] = 1
         else:
@@ -190,8 +214,10 @@ class ClusterBackend:
         request_id: str,
         cache_salt: Optional[str],
         on_route: Callable[[RouteTrace], None],
+        lora_name: Optional[str] = None,
     ) -> AsyncIterator[TokenDelta]:
-        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route)
+        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route,
+                                   lora_name=lora_name)  # fmt: skip
         try:
             async for delta in gen:
                 yield delta
@@ -237,9 +263,15 @@ class OpenAIIngress:
         client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)
         name = llm.model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
-        self.serving = OpenAIServing(
-            name, tokenizer, max_model_len, vocab_size, ClusterBackend(client, self.router_actors), parsed.limits(), aliases
-        )
+        adapters = None
+        if config.engine.enable_lora:
+            from kvroute.cluster.lora_registry import get_or_create_lora_registry
+            from kvroute.deploy.fleet_adapters import FleetAdapters
+
+            dynamic = llm.lora_config.dynamic_lora_loading_path if llm.lora_config is not None else None
+            adapters = FleetAdapters(get_or_create_lora_registry(config), client, dynamic)
+        self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, ClusterBackend(client, self.router_actors),
+                                     parsed.limits(), aliases, adapters)  # fmt: skip
         self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
 

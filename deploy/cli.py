@@ -216,6 +216,9 @@ def serve_app_args(args: argparse.Namespace):
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
                     "request_timeout_s": limits.request_timeout_s},
     }  # fmt: skip
+    if args.dynamic_lora_path is not None:  # serve.yaml's lora_config (enable_lora implied)
+        app["llm_configs"][0]["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_path,
+                                                "max_num_adapters_per_replica": args.max_loras}  # fmt: skip
     if args.workers is not None:
         if route["request_router_class"] != "kvroute":
             raise ValueError(f"--router {args.router} is a Serve request router, which external workers do not go "
@@ -317,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "replicas; --model is their model folder (the tokenizer), --block-size their block size; "
                         "=EVENTS: the worker's ZMQ KV event publisher (e.g. tcp://10.0.0.5:5557), =REPLAY its replay "
                         "endpoint; '' starts with none (add them at POST /admin/workers)")
+    s.add_argument("--dynamic-lora-path", default=None, metavar="DIR",
+                   help="load an adapter named X from DIR/X on its first request (implies --enable-lora)")
     s.add_argument("--worker-poll-interval-s", type=float, default=1.0, help="with --workers: how often each worker's "
                    "/metrics is read")
     s.set_defaults(func=_serve)

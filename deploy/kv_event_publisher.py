@@ -5,7 +5,7 @@ vLLM's ZMQ KV event wire format (``router/vllm_events.py``), so one ingestion pa
 The option takes vLLM's ``KVEventsConfig`` keys. Each engine step that changed the
 cache becomes one ``KVEventBatch``: ``AllBlocksCleared`` first if the cache was reset,
 then one ``BlockStored`` per stored block (its own hash as 16 big-endian bytes, its
-parent's, its token ids, the request's ``cache_salt`` as the first block's extra key),
+parent's, its token ids, its adapter as ``lora_name``, and as extra keys the adapter on every block of its chain and the ``cache_salt`` on the first),
 then one ``BlockRemoved`` for the evicted ones (the step's net change: stored and
 removed are disjoint). The host tier's changes are not published. As in vLLM, an
 ``endpoint`` with a wildcard address (``tcp://*:5557``) is bound and any other one
@@ -97,8 +97,10 @@ def vllm_events(kv: KVCacheManager, events: KVEvents) -> list[dict[str, Any]]:
         block = kv.cached_block(h)
         assert block is not None, "a stored block is cached at the end of its step"
         parent = None if block.parent_hash is None else engine_hash(block.parent_hash)
-        extra = [[block.salt]] if block.salt is not None else None
-        out.append(wire.block_stored([engine_hash(h)], parent, block.token_ids, bs, extra_keys=extra))
+        # vLLM's extra keys: the adapter's name on every block of its chain, the salt on the first
+        keys = [k for k in (block.lora_name, block.salt) if k is not None]
+        out.append(wire.block_stored([engine_hash(h)], parent, block.token_ids, bs, extra_keys=[keys] if keys else None,
+                                     lora_name=block.lora_name))  # fmt: skip
     if events.removed:
         out.append(wire.block_removed([engine_hash(h) for h in events.removed]))
     return out

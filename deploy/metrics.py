@@ -26,6 +26,7 @@ _GAUGES = (
     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
     ("kvroute:host_kv_cached_blocks", "num_host_cached_blocks", "Blocks held in the host KV tier."),
+    ("kvroute:lora_resident_adapters", "num_resident_loras", "LoRA adapters in the replica's device slots."),
 )
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -33,6 +34,7 @@ _COUNTERS = (
     ("vllm:num_preemptions", "num_preemptions", "Requests preempted (recomputed) under KV pressure."),
     ("kvroute:prefix_cache_host_hits", "prefix_cache_host_hits",
      "Prompt tokens restored from the host KV tier (also counted in vllm:prefix_cache_hits)."),
+    ("kvroute:lora_slot_loads", "lora_slot_loads", "LoRA adapters copied into a device slot (cold adapter loads)."),
 )
 _HISTOGRAMS = (
     ("vllm:time_to_first_token_seconds", "ttft_s", "Time to first token, at the replica."),

@@ -51,10 +51,16 @@ class ServerLimits(BaseModel):
 
 
 class AdapterHost(Protocol):
-    """Where LoRA adapters live (``AsyncEngine`` is one): ValueError for a bad folder,
-    a taken name, an unknown adapter or one in use."""
+    """Where LoRA adapters live (``AsyncEngine``; in the Serve application
+    ``deploy/fleet_adapters.py``'s ``FleetAdapters``): ValueError for a bad folder, a
+    taken name, an unknown adapter or one in use."""
 
-    def lora_modules(self) -> dict[str, str]: ...
+    async def list_loras(self) -> dict[str, str]:
+        """The loaded adapters' folders by name."""
+
+    async def find_lora(self, name: str) -> bool:
+        """Whether ``name`` is loaded (a host may load it now, e.g. from a dynamic path);
+        ValueError when it exists but cannot be loaded."""
 
     async def load_lora(self, name: str, path: str) -> None: ...
 
@@ -89,7 +95,8 @@ class OpenAIServing:
         self.on_finished: list[Any] = []  # fn(choice) per finished choice (fanout.Choice)
 
     # ------------------------------------------------------------------ small APIs
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
+        adapters = await self._lora_modules()
         return {
             "object": "list",
             "data": [
@@ -106,23 +113,28 @@ class OpenAIServing:
             + [
                 {"id": name, "object": "model", "created": self.created, "owned_by": "kvroute", "root": path,
                  "parent": self.model_name, "max_model_len": self.max_model_len}  # fmt: skip
-                for name, path in self._lora_modules().items()
+                for name, path in adapters.items()
             ],
         }
 
-    def _lora_modules(self) -> dict[str, str]:
-        return {} if self.adapters is None else self.adapters.lora_modules()
+    async def _lora_modules(self) -> dict[str, str]:
+        return {} if self.adapters is None else await self.adapters.list_loras()
 
-    def check_model(self, model: Optional[str]) -> Optional[str]:
+    async def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model); 404 for a name that is
-        neither the model, an alias, nor a loaded adapter."""
+        neither the model, an alias, nor an adapter the host has or can load (400 for
+        one it cannot load)."""
         if model is None or model in self.model_names:
             return None
-        if model in self._lora_modules():
-            return model
+        if self.adapters is not None:
+            try:
+                if await self.adapters.find_lora(model):
+                    return model
+            except ValueError as exc:
+                raise bad_request(str(exc), param="model") from None
         raise APIError(
             404,
-            f"The model {model!r} does not exist; this server serves {[*self.model_names, *self._lora_modules()]}",
+            f"The model {model!r} does not exist; this server serves {[*self.model_names, *await self._lora_modules()]}",
             param="model",
             code="model_not_found",
         )
@@ -140,7 +152,7 @@ class OpenAIServing:
 
     async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
         host = self._adapter_host()
-        if req.lora_name not in host.lora_modules():
+        if req.lora_name not in await host.list_loras():
             raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
                            code="model_not_found")  # fmt: skip
         try:
@@ -155,7 +167,7 @@ class OpenAIServing:
         return self.adapters
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
-        self.check_model(req.model)
+        await self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
@@ -167,13 +179,13 @@ class OpenAIServing:
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        self.check_model(req.model)
+        await self.check_model(req.model)
         self._check_ids(req.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
-        lora = self.check_model(req.model)
+        lora = await self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
         if req.echo and req.logprobs is not None:
@@ -212,7 +224,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def chat(self, req: ChatCompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
-        lora = self.check_model(req.model)
+        lora = await self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
         ids = await asyncio.to_thread(

@@ -9,7 +9,8 @@ too) into ``LoadFigures`` and hands them to every router actor (``report_load``,
 the worker's sign of life); a worker whose poll fails, or that an ingress reports dead
 (``mark_down``), is removed from every router and probed (``/health``, then
 ``/v1/models``) until it answers again. A worker comes up only if it serves the
-application's model. Its cache entries come from its KV events where it has an event
+application's model; its LoRA adapters (the ``/v1/models`` entries with a ``parent``)
+are read again every ``MODELS_REFRESH_S``. Its cache entries come from its KV events where it has an event
 endpoint (``cluster/kv_subscriber.py``'s ``KVEventSubscriber`` registers it and
 streams them); without one it is registered with an empty cache, and the routers'
 own pending runs and load increments carry routing.
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 TRANSIT_MARGIN_US = 100_000  # a request routed this long before a poll has reached its worker
 UNKNOWN_CAPACITY_BLOCKS = 1 << 20  # a worker that names no KV capacity: never skipped for room
+MODELS_REFRESH_S = 2.0  # how often an up worker's /v1/models is read again (adapters loaded at run time)
 _GAUGES = {"vllm:num_requests_running": "num_running", "vllm:num_requests_waiting": "num_waiting",
            "vllm:kv_cache_usage_perc": "kv_usage"}  # fmt: skip
 
@@ -82,11 +84,19 @@ class _Worker:
     spec: WorkerSpec
     up: bool = False
     model: Optional[str] = None  # the name it serves (its /v1/models' first id)
+    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> root (path)
+    models_at: float = 0.0  # when its /v1/models was last read
     capacity: int = 0
     load: Optional[LoadFigures] = None
     last_error: str = ""
     subscriber: Any = None
     counters: dict[str, int] = field(default_factory=lambda: {"downs": 0, "ups": 0, "polls": 0})
+
+
+def _adapters(models: list[dict[str, Any]]) -> dict[str, str]:
+    """A worker's LoRA adapters from its ``/v1/models``: the entries with a ``parent``
+    (vLLM and kvroute list an adapter so, with its path as ``root``)."""
+    return {m["id"]: str(m.get("root") or "") for m in models if m.get("parent")}
 
 
 def parse_load(text: str, ticket: int) -> tuple[LoadFigures, dict[str, int]]:
@@ -135,10 +145,18 @@ class WorkerPool:
         self._task: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ API
-    async def up_workers(self) -> dict[str, tuple[str, str]]:
-        """``{worker id: (url, the model name it serves)}`` of the workers that are up."""
+    async def up_workers(self) -> dict[str, tuple[str, str, dict[str, str]]]:
+        """``{worker id: (url, the model name it serves, its LoRA adapters {name: root})}``
+        of the workers that are up."""
         self._start()
-        return {wid: (w.spec.url, w.model) for wid, w in self.workers.items() if w.up and w.model}
+        return {wid: (w.spec.url, w.model, w.adapters) for wid, w in self.workers.items() if w.up and w.model}
+
+    async def refresh_models(self) -> None:
+        """Read every up worker's ``/v1/models`` again now (its adapters changed)."""
+        up = [w for w in self.workers.values() if w.up]
+        for w, models in zip(up, await asyncio.gather(*(self._models(w) for w in up), return_exceptions=True)):
+            if not isinstance(models, BaseException):
+                w.adapters, w.models_at = _adapters(models), time.monotonic()
 
     async def describe(self) -> list[dict[str, Any]]:
         self._start()
@@ -200,7 +218,10 @@ class WorkerPool:
             return
         try:
             w.load, _ = await self._poll(w)
-        except (httpx.HTTPError, ValueError) as exc:
+            if time.monotonic() - w.models_at >= MODELS_REFRESH_S:
+                w.adapters = _adapters(await self._models(w))
+                w.models_at = time.monotonic()
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
             await self._take_out(w, f"metrics poll failed: {exc!r}")
             return
         await self._report(w)
@@ -219,7 +240,7 @@ class WorkerPool:
             if (await self._client.get(w.spec.url + "/health")).status_code != 200:
                 w.last_error = "health probe did not answer 200"
                 return
-            models = (await self._client.get(w.spec.url + "/v1/models")).json()["data"]
+            models = await self._models(w)
             names = {m["id"] for m in models} | {str(m.get("root")) for m in models if m.get("root")}
             if not names & self.model_names:
                 raise ValueError(f"worker {w.spec.worker_id} serves {sorted(names)}, not this application's model "
@@ -235,6 +256,7 @@ class WorkerPool:
             return
         ids = [m["id"] for m in models]
         w.model = next((i for i in ids if i in self.model_names), ids[0])  # the name to send it
+        w.adapters, w.models_at = _adapters(models), time.monotonic()
         w.up, w.last_error = True, ""
         w.counters["ups"] += 1
         if w.spec.kv_events_endpoint:
@@ -242,6 +264,11 @@ class WorkerPool:
         if w.subscriber is None:
             await self._register(w)
         log.info("worker %s (%s) is up: %s, %d KV blocks", w.spec.worker_id, w.spec.url, w.model, w.capacity)
+
+    async def _models(self, w: _Worker) -> list[dict[str, Any]]:
+        r = await self._client.get(w.spec.url + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"]
 
     async def _server_info_capacity(self, w: _Worker) -> int:
         """``serve-replica``'s ``/get_server_info`` names its KV blocks; else unknown."""
@@ -281,7 +308,7 @@ class WorkerPool:
     def _describe(self, w: _Worker) -> dict[str, Any]:
         return {
             "id": w.spec.worker_id, "url": w.spec.url, "state": "up" if w.up else "down", "model": w.model,
-            "capacity_blocks": w.capacity or None, "kv_events": w.subscriber is not None, "last_error": w.last_error or None,
+            "adapters": sorted(w.adapters), "capacity_blocks": w.capacity or None, "kv_events": w.subscriber is not None, "last_error": w.last_error or None,
             "load": None if w.load is None else {"num_running": w.load.num_running, "num_waiting": w.load.num_waiting,
                                                  "kv_usage": w.load.kv_usage},
             **w.counters,

@@ -54,26 +54,62 @@ class ForwardingServing(OpenAIServing):
     takes_raw_body = True
 
     async def completions(self, req: CompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        self.check_model(req.model)
+        lora = await self.check_model(req.model)
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed",
                               param="prompt")  # fmt: skip
         self._check_n(req.n)
         token_lists, _ = await asyncio.to_thread(self._prompt_ids, prompts[:1], False)
-        return await self.backend.forward("/v1/completions", raw, token_lists[0], req.cache_salt, req.stream)
+        return await self.backend.forward("/v1/completions", raw, token_lists[0], req.cache_salt, req.stream, lora)
 
     async def chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        self.check_model(req.model)
+        lora = await self.check_model(req.model)
         self._check_n(req.n)
         ids = await asyncio.to_thread(
             self._chat_ids, template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages"
         )
-        return await self.backend.forward("/v1/chat/completions", raw, ids, req.cache_salt, req.stream)
+        return await self.backend.forward("/v1/chat/completions", raw, ids, req.cache_salt, req.stream, lora)
 
     def _check_n(self, n: int) -> None:
         if n > self.limits.max_n:
             raise bad_request(f"n={n} exceeds the server's limit of {self.limits.max_n}", param="n")
+
+
+class WorkerAdapters:
+    """The LoRA adapters of the up workers (``deploy/serving.py``'s ``AdapterHost``): an
+    adapter any up worker lists is served (by the workers that list it). Loading one
+    goes to every up worker, unloading to those that list it (vLLM's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``); it succeeds where at
+    least one worker did it (a worker without LoRA refuses), then the pool reads their
+    ``/v1/models`` again."""
+
+    def __init__(self, backend: "WorkersBackend") -> None:
+        self.backend = backend
+
+    async def list_loras(self) -> dict[str, str]:
+        await self.backend.workers()
+        return self.backend.adapters()
+
+    async def find_lora(self, name: str) -> bool:
+        return name in await self.list_loras()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        workers = await self.backend.workers(fresh=True)
+        await self._call([w[0] for w in workers.values()], "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora(self, name: str) -> None:
+        workers = await self.backend.workers(fresh=True)
+        await self._call([w[0] for w in workers.values() if name in w[2]], "/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def _call(self, urls: list[str], path: str, body: dict[str, str]) -> None:
+        backend = self.backend
+        answers = await asyncio.gather(*(backend.client.post(url + path, json=body) for url in urls), return_exceptions=True)
+        await backend.pool.refresh_models.remote()
+        await backend.workers(fresh=True)
+        if not any(isinstance(a, httpx.Response) and a.status_code < 400 for a in answers):
+            why = [repr(a) if isinstance(a, Exception) else _worker_error(a.status_code, a.content).message for a in answers]
+            raise ValueError(f"no worker could {path.rsplit('/', 1)[1].replace('_', ' ')}: {why or 'no worker is up'}")
 
 
 class WorkersBackend:
@@ -87,13 +123,17 @@ class WorkersBackend:
         self.accuracy = accuracy
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))  # fmt: skip
-        self._up: dict[str, tuple[str, str]] = {}
+        self._up: dict[str, tuple[str, str, dict[str, str]]] = {}
         self._fresh_until = 0.0
 
     async def ready(self) -> bool:
         return bool(await self.workers(fresh=True))
 
-    async def workers(self, fresh: bool = False) -> dict[str, tuple[str, str]]:
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters of the up workers (as last fetched): name -> root."""
+        return {name: root for _, _, adapters in self._up.values() for name, root in adapters.items()}
+
+    async def workers(self, fresh: bool = False) -> dict[str, tuple[str, str, dict[str, str]]]:
         """The pool's up workers, as of at most ``WORKERS_FRESH_S`` ago."""
         if fresh or time.monotonic() >= self._fresh_until:
             try:
@@ -105,17 +145,21 @@ class WorkersBackend:
 
     # ------------------------------------------------------------------ forwarding
     async def forward(self, path: str, body: dict[str, Any], token_ids: list[int], cache_salt: Optional[str],
-                      stream: bool) -> Answer:  # fmt: skip
-        hashes = hash_blocks(self.hash_spec, token_ids, cache_salt)
-        workers = await self.workers()
+                      stream: bool, lora_name: Optional[str] = None) -> Answer:  # fmt: skip
+        """Rank the workers that serve the request's model (its adapter, when it names
+        one; the adapter keys its blocks as the workers' engines key them) and send it to
+        the first that answers."""
+        hashes = hash_blocks(self.hash_spec, token_ids, cache_salt, lora_name=lora_name)
+        workers = {wid: w for wid, w in (await self.workers()).items() if lora_name is None or lora_name in w[2]}
         if not workers:
-            raise APIError(503, "no worker is up", code="unavailable", retry_after_s=1.0)
-        ranking = await self._rank(hashes, len(token_ids), list(workers))
+            raise APIError(503, "no worker is up" + (f" with the adapter {lora_name!r}" if lora_name else ""),
+                           code="unavailable", retry_after_s=1.0)  # fmt: skip
+        ranking = await self._rank(hashes, len(token_ids), list(workers), lora_name)
         failed: list[str] = []
         for wid in (w for w in ranking.replica_ids if w in workers):
-            url, model = workers[wid]
+            url, model, _ = workers[wid]
             try:
-                return await self._send(url + path, {**body, "model": model}, stream, ranking, wid)
+                return await self._send(url + path, {**body, "model": lora_name or model}, stream, ranking, wid)
             except _WorkerFailed as exc:
                 failed.append(wid)
                 await self._take_out(wid, str(exc))
@@ -182,7 +226,7 @@ class WorkersBackend:
             log.warning("could not report worker %s down to the pool: %r", wid, exc)
 
     # ------------------------------------------------------------------ routing
-    async def _rank(self, hashes: list, num_tokens: int, candidates: list[str]) -> Ranking:
+    async def _rank(self, hashes: list, num_tokens: int, candidates: list[str], lora_name: Optional[str]) -> Ranking:
         """The first router up (in this process's order) that answers within a second;
         none: a random order (counted as a fallback)."""
         now = time.monotonic()
@@ -190,7 +234,7 @@ class WorkersBackend:
             if self._down_until[i] > now:
                 continue
             try:
-                ranking = await asyncio.wait_for(actor.rank.remote(hashes, num_tokens, candidates), 1.0)
+                ranking = await asyncio.wait_for(actor.rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
             except Exception as exc:
                 log.warning("router %d did not rank: %r", i, exc)
                 self._down_until[i] = time.monotonic() + ROUTER_DOWN_S
@@ -267,7 +311,8 @@ class WorkersIngress:
         limits = parsed.limits()
         backend = WorkersBackend(self.pool, self.router_actors, config.hash_spec, limits.request_timeout_s, self.accuracy)
         aliases = () if source == name else (source,)
-        self.serving = ForwardingServing(name, tokenizer, max_model_len, vocab_size, backend, limits, aliases)
+        self.serving = ForwardingServing(name, tokenizer, max_model_len, vocab_size, backend, limits, aliases,
+                                         WorkerAdapters(backend))  # fmt: skip
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api

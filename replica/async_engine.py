@@ -176,12 +176,10 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str) -> None:
         """Register a PEFT adapter folder as ``name`` between steps (``Engine.load_lora``);
         the folder is read in a worker thread."""
-        from kvroute.replica.lora import load_adapter
-
         e = self.engine
         if e.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
-        adapter = await asyncio.to_thread(load_adapter, name, path, e.arch, e.config.max_lora_rank)
+        adapter = await asyncio.to_thread(e.lora.read, name, path)
         await self.between_steps(lambda: e.add_lora(adapter))
 
     async def unload_lora(self, name: str) -> None:
@@ -200,6 +198,14 @@ class AsyncEngine:
         """The loaded adapters' folders by name (what /v1/models lists)."""
         lora = self.engine.lora
         return {} if lora is None else {name: str(a.path) for name, a in lora.adapters.items()}
+
+    async def list_loras(self) -> dict[str, str]:
+        """``lora_modules()``, as OpenAIServing's adapter host asks for it."""
+        return self.lora_modules()
+
+    async def find_lora(self, name: str) -> bool:
+        """Whether adapter ``name`` is loaded (this host loads nothing on demand)."""
+        return name in self.lora_modules()
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

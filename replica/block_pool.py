@@ -36,10 +36,12 @@ class Block:
     # Token ids the block was hashed from: a hit is verified against them, so a hash
     # collision can never serve another prefix's KV.
     token_ids: tuple[int, ...] = field(default=(), repr=False)
-    # Its parent's hash (None: a chain's first block) and, on a first block, the
-    # request's cache salt: what an external event stream needs to name the block.
+    # Its parent's hash (None: a chain's first block), on a first block the request's
+    # cache salt, and the request's LoRA adapter: what an external event stream needs
+    # to name the block.
     parent_hash: BlockHash | None = field(default=None, repr=False)
     salt: str | None = field(default=None, repr=False)
+    lora_name: str | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
@@ -127,7 +129,7 @@ class BlockPool:
 
     def cache_block(
         self, block: Block, block_hash: BlockHash, token_ids: Sequence[int],
-        parent_hash: BlockHash | None = None, salt: str | None = None,
+        parent_hash: BlockHash | None = None, salt: str | None = None, lora_name: str | None = None,
     ) -> bool:
         """Register a full, computed block under ``block_hash``.
 
@@ -140,7 +142,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        block.parent_hash, block.salt = parent_hash, salt
+        block.parent_hash, block.salt, block.lora_name = parent_hash, salt, lora_name
         self._cached[block_hash] = block
         self._events.note(block_hash, True)
         return True

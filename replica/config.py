@@ -132,8 +132,6 @@ class EngineConfig:
                 raise ValueError(f"lora_modules[{name!r}] must be a folder path, got {path!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
-        if self.enable_lora and self.emulate is not None:
-            raise ValueError("enable_lora is not supported on an emulated engine")
 
     def host_blocks(self, bytes_per_block: int) -> int:
         """The host tier's size in blocks: ``host_kv_blocks``, or ``host_kv_gb`` over

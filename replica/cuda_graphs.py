@@ -48,16 +48,23 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
+        # One byte buffer holds every per-row input, so one host-to-device copy loads a step:
+        # ids, positions, slots (int64), seq_lens, context_lens (int32), then the step's block
+        # tables packed [b, width] (scattered into ``block_tables`` by one device copy).
+        pinned = device.type == "cuda"
+        nbytes = 32 * n + 4 * n * max_blocks_per_seq
+        self._buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._stage = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)  # host staging for load()
+        self.input_ids, self.positions, self.slot_mapping = self._buf[: 24 * n].view(torch.int64).view(3, n)  # [n] each
+        self.seq_lens, self.context_lens = self._buf[24 * n : 32 * n].view(torch.int32).view(2, n)  # [n] each
+        self._tables_in = self._buf[32 * n :].view(torch.int32)  # [b * width] of the current step
+        self.slot_mapping.fill_(-1)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)  # [n, max_blocks]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1], one token each
-        # host staging for load(): every input of the largest batch, int64, pinned on CUDA
-        self._stage = torch.zeros(n * (4 + max_blocks_per_seq), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._stage_np = self._stage.numpy()
+        stage = self._stage.numpy()
+        self._stage_i64 = stage[: 24 * n].view(np.int64).reshape(3, n)
+        self._stage_i32 = stage[24 * n : 32 * n].view(np.int32).reshape(2, n)
+        self._stage_tables = stage[32 * n :].view(np.int32)
         self._staged: torch.cuda.Event | None = None  # recorded after the last copy out of it
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -113,32 +120,31 @@ class DecodeGraphs:
         """Write a decode step's inputs (``n = len(input_ids)`` sequences, one new token
         each) into the static buffers; returns the graph batch size to :meth:`replay`.
 
-        Everything goes through one staging buffer (pinned on CUDA) and one host-to-device
-        copy; the block tables' columns past ``width`` keep a previous step's entries,
-        which no row reads (attention reads a row's table only below its length)."""
+        Two device operations: one host-to-device copy from the (pinned) staging buffer,
+        one copy of the packed block tables into their rows. Rows ``n..b`` are padding;
+        the block tables' columns past ``width`` keep a previous step's entries, which no
+        row reads (attention reads a row's table only below its length)."""
         n = len(input_ids)
         b = self.padded_size(n)
         width = block_tables.shape[1]
         assert block_tables.shape[0] == n and width <= self.max_blocks_per_seq, "block table wider than max_model_len"
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copy has read the staging buffer
-        head = self._stage_np[: 4 * b + b * width]
-        rows = head[: 4 * b].reshape(4, b)  # ids, positions, slots, seq_lens
-        rows[:, n:] = ((0,), (0,), (-1,), (0,))  # padding: no KV written, nothing attended
-        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slots, seq_lens
-        head[4 * b :].reshape(b, width)[:n] = block_tables
-        head[4 * b + n * width :] = 0
-        staged = self._stage[: head.size].to(self.device, non_blocking=True)  # [4b + b*width] int64
+        i64, i32 = self._stage_i64, self._stage_i32
+        i64[:, n:b] = ((0,), (0,), (-1,))  # padding: no KV written, nothing attended
+        i32[:, n:b] = 0
+        i64[0, :n], i64[1, :n], i64[2, :n] = input_ids, positions, slots
+        i32[0, :n] = seq_lens
+        np.maximum(i32[0, :n] - 1, 0, out=i32[1, :n])
+        tables = self._stage_tables[: b * width].reshape(b, width)
+        tables[:n] = block_tables
+        tables[n:] = 0
+        used = 32 * self.max_batch + 4 * b * width
+        self._buf[:used].copy_(self._stage[:used], non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
-        ids, pos, slot, lens = staged[: 4 * b].view(4, b)
-        self.input_ids[:b].copy_(ids)
-        self.positions[:b].copy_(pos)
-        self.slot_mapping[:b].copy_(slot)
-        self.seq_lens[:b].copy_(lens)
-        self.context_lens[:b].copy_((lens - 1).clamp_(min=0))
-        self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
+        self.block_tables[:b, :width].copy_(self._tables_in[: b * width].view(b, width))
         return b
 
     def replay(self, b: int, n: int) -> torch.Tensor:  # [n, hidden]

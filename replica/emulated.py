@@ -10,6 +10,11 @@ a deterministic token: a function of the request's last tokens and its length, s
 request resumed on another replica continues exactly as it would have, and it never
 emits an end-of-sequence or special token (emulated requests run to ``max_tokens``).
 No logprobs: a row that asks for them gets None.
+
+LoRA adapters (``enable_lora``): only their configs are read (a folder's
+``adapter_config.json``, for the rank); ``max_loras`` slots hold the resident ones (LRU,
+``replica/adapter_slots.py``), and a step that needs a cold one takes its slot load too,
+the profile's ``adapter_load_time`` (bytes ÷ host → device bandwidth), scaled as the step.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from kvroute.replica.adapter_slots import AdapterSlots, EmulatedAdapters
 from kvroute.replica.profiles import StepProfile
 from kvroute.replica.sampling_params import SampleRequest, SamplerOutput
 from kvroute.replica.step_cost import attention_pairs
@@ -62,12 +68,19 @@ class EmulatedModel:
         self._clock, self._sleep = clock, sleep
         self.emulated_s = 0.0  # the profile's seconds of every step so far (unscaled)
         self._restores: list[tuple[int, float]] = []  # (tokens, scaled seconds) not yet taken
+        self.lora: AdapterSlots | None = None  # set by the engine with enable_lora
+
+    def adapter_slots(self, max_loras: int, max_rank: int, max_cpu_loras: int | None) -> EmulatedAdapters:
+        """The LoRA slots of this model: loads priced by the profile."""
+        return EmulatedAdapters(max_loras, max_rank, max_cpu_loras, self.profile.adapter_load_time)
 
     def execute(self, sched: Any) -> None:
         """Take the step's emulated time (from now: the scheduling before it is the
         host's own cost, as on a GPU where the CPU prepares the next step)."""
         start = self._clock()
         seconds = step_seconds(self.profile, sched)
+        if self.lora is not None:
+            seconds += self.lora.acquire({r.request.lora_name for r in sched.rows if r.request.lora_name is not None})
         if sched.restored_tokens:
             self._restores.append((sched.restored_tokens, self.profile.restore_time(sched.restored_tokens) * self.time_scale))
         self.emulated_s += seconds

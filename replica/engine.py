@@ -19,8 +19,7 @@ from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from kvroute.replica.lora import LoRAAdapter
-    from kvroute.replica.lora_slots import LoRAManager
+    from kvroute.replica.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +93,24 @@ class Engine:
             self.kv,
         )
         self.requests: dict[RequestId, Request] = {}
-        self.lora: LoRAManager | None = None
+        self.lora: AdapterSlots | None = None
         self._lora_served: set[str] = set()  # adapter names that have run a request here
         if config.enable_lora:
-            from kvroute.replica.lora_slots import LoRAManager
-
-            self.lora = self.runner.lora = LoRAManager(self.arch, config.max_loras, config.max_lora_rank,
-                                                       config.max_cpu_loras, self.runner.lora_layers, self.runner.lora_batch)  # fmt: skip
+            self.lora = self.runner.lora = self._adapter_slots(config)
             for name, path in config.lora_modules.items():
                 self.load_lora(name, path)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
+        if self.lora is not None:
+            self.telemetry.lora_state = self.lora.state
+
+    def _adapter_slots(self, config: EngineConfig) -> "AdapterSlots":
+        """The LoRA slots: the model's wrapped Linears, or the emulated model's timed ones."""
+        if config.emulate is not None:
+            return self.runner.adapter_slots(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        from kvroute.replica.lora_slots import LoRAManager
+
+        return LoRAManager(self.arch, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                           self.runner.lora_layers, self.runner.lora_batch)  # fmt: skip
 
     def _load_model(self, config: EngineConfig) -> int:
         """The model runner (weights on the device) and the sampler; returns the KV
@@ -237,14 +244,12 @@ class Engine:
     def load_lora(self, name: str, path: str) -> None:
         """Register the PEFT adapter in folder ``path`` as ``name`` (ValueError naming the
         file and field when the folder is bad; nothing is kept then)."""
-        from kvroute.replica.lora import load_adapter
-
         if self.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
-        self.add_lora(load_adapter(name, path, self.arch, self.config.max_lora_rank))
+        self.add_lora(self.lora.read(name, path))
 
-    def add_lora(self, adapter: "LoRAAdapter") -> None:
-        """Register an adapter read by ``replica.lora.load_adapter``."""
+    def add_lora(self, adapter) -> None:
+        """Register an adapter read by ``self.lora.read`` (``replica.lora.load_adapter``)."""
         if self.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
         name = adapter.name

@@ -121,7 +121,7 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(rid, [])
         if new_computed:
             assert not blocks and request.num_computed_tokens == 0
-            blocks.extend(self._reference_hits(new_computed, request.cache_salt))
+            blocks.extend(self._reference_hits(new_computed, request))
             self._num_cached_blocks[rid] = len(new_computed)
         total = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(blocks)
@@ -134,7 +134,7 @@ class KVCacheManager:
         self._cache_full_blocks(request, total)
         return new_blocks
 
-    def _reference_hits(self, hits: list[Hit], salt: str | None) -> list[Block]:
+    def _reference_hits(self, hits: list[Hit], request: Request) -> list[Block]:
         """Device blocks for ``hits``, in order: device hits referenced, host hits
         restored. Both kinds are secured before any block is taken (a take may evict or
         offload): device hits leave the free queue, host hits are pinned."""
@@ -145,7 +145,8 @@ class KVCacheManager:
             if isinstance(h, HostHit):
                 (block,) = self.pool.take_new_blocks(1)  # counted by num_blocks_needed
                 parent = out[i - 1].block_hash if i else None
-                self.pool.cache_block(block, h.block_hash, h.token_ids, parent, None if i else salt)
+                salt = None if i else request.cache_salt
+                self.pool.cache_block(block, h.block_hash, h.token_ids, parent, salt, request.lora_name)
                 self._restores.append((host_ids[h.block_hash], block.block_id))
                 h = block
             out.append(h)
@@ -174,7 +175,8 @@ class KVCacheManager:
         for i in range(start, end):
             if blocks[i].block_hash is None:
                 parent, salt = (hashes[i - 1], None) if i else (None, request.cache_salt)
-                self.pool.cache_block(blocks[i], hashes[i], request.token_ids[i * bs : (i + 1) * bs], parent, salt)
+                tokens = request.token_ids[i * bs : (i + 1) * bs]
+                self.pool.cache_block(blocks[i], hashes[i], tokens, parent, salt, request.lora_name)
         self._num_cached_blocks[rid] = end
 
     def free(self, request: Request) -> None:
@@ -187,7 +189,7 @@ class KVCacheManager:
         return self.pool.cached_block_hashes()
 
     def cached_block(self, block_hash: BlockHash) -> Block | None:
-        """The device block cached under ``block_hash`` (token ids, parent, salt)."""
+        """The device block cached under ``block_hash`` (token ids, parent, salt, adapter)."""
         return self.pool.cached_block(block_hash)
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:

@@ -23,7 +23,14 @@ class LoadFigures:
 
     ``queued_prefill_s``: the replica's own estimate of the seconds its queued prefill
     takes, from its measured step cost (attention grows with position, so a long
-    prompt's tokens cost more than a short one's); 0.0 while it has measured no step."""
+    prompt's tokens cost more than a short one's); 0.0 while it has measured no step.
+
+    ``resident_loras``: the LoRA adapters in its device slots (a request of another one
+    waits for a slot load first), and ``adapter_load_s`` what such a load takes there
+    (measured, or its emulation profile's; 0.0: unknown or no adapters).
+    ``running_loras``: the adapters of its running requests; once they are ``max_loras``
+    (its slots; 0: no adapters), a request of another adapter waits until one of them
+    has no running request, and so does every request queued behind it."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -34,6 +41,10 @@ class LoadFigures:
     decode_step_s: float = 0.0
     route_ticket: int = 0
     host_restore_tokens_per_s: float = 0.0  # measured host -> device KV copy rate (0: no host tier or not yet)
+    resident_loras: tuple[str, ...] = ()
+    adapter_load_s: float = 0.0
+    running_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ from a folder that fails (the adapter is built only once every check passed).
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +21,11 @@ from pathlib import Path
 import torch
 
 from kvroute.replica.config import check_adapter_name
+from kvroute.replica.lora_config import ATTN_MODULES, CONFIG_FILE, read_config
 from kvroute.replica.models.arch import ModelArch
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-MODULES = ATTN_MODULES + MLP_MODULES
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-# Config fields that change what the weights mean; refused unless they hold the neutral value.
-_NEUTRAL = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-            "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,42 +57,9 @@ def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int) ->
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"LoRA adapter {name!r}: {folder} is not a directory")
-    rank, scale, targets = _read_config(folder / CONFIG_FILE, max_rank)
+    rank, scale, targets = read_config(folder / CONFIG_FILE, max_rank)
     weights = _read_weights(folder / WEIGHTS_FILE, arch, rank, targets)
     return LoRAAdapter(name, folder, rank, scale, weights)
-
-
-def _read_config(file: Path, max_rank: int) -> tuple[int, float, tuple[str, ...]]:
-    if not file.is_file():
-        raise ValueError(f"{file}: missing (a PEFT adapter folder needs {CONFIG_FILE})")
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{file}: must hold a JSON object")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{file}: field 'peft_type' must be 'LORA', got {cfg['peft_type']!r}")
-    rank = cfg.get("r")
-    if type(rank) is not int or rank < 1:
-        raise ValueError(f"{file}: field 'r' must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise ValueError(f"{file}: field 'r' is {rank}, above the engine's max_lora_rank={max_rank}")
-    alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{file}: field 'lora_alpha' must be a finite number, got {alpha!r}")
-    for field, neutral in _NEUTRAL.items():
-        value = cfg.get(field, neutral)
-        if value != neutral and not (neutral is None and value in ([], {})):
-            raise ValueError(f"{file}: field {field!r} = {value!r} is not supported (only {neutral!r})")
-    targets = cfg.get("target_modules")
-    if targets == "all-linear":
-        targets = list(MODULES)
-    if not isinstance(targets, list) or not targets or not all(t in MODULES for t in targets):
-        raise ValueError(f"{file}: field 'target_modules' must be a non-empty list of {', '.join(MODULES)} "
-                         f"(or 'all-linear'), got {targets!r}")  # fmt: skip
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora", False) else alpha / rank
-    return rank, float(scale), tuple(dict.fromkeys(targets))
 
 
 def _read_weights(

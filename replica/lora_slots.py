@@ -1,8 +1,9 @@
 """Adapters known to an engine, the ones resident on the device, and the layers that
 apply them (ARCHITECTURE.md §4, LoRA adapters).
 
-``LoRAManager`` keeps the registered adapters on the host (at most ``max_cpu_loras``)
-and ``max_loras`` device slots, assigned least recently used first. Each step,
+``LoRAManager`` (the bookkeeping of ``replica/adapter_slots.py``) keeps the registered
+adapters on the host (at most ``max_cpu_loras``) and ``max_loras`` device slots,
+assigned least recently used first. Each step,
 ``segments`` makes the step's adapters resident (the scheduler never puts more than
 ``max_loras`` adapters in one step, so a slot is always free or evictable) and lays out
 the rows: ``LoRASegments`` (``kernels/lora.py``) per run of rows of one adapter.
@@ -17,7 +18,8 @@ one product serves every slice and an untargeted slice adds exact zeros.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -25,7 +27,8 @@ from torch import nn
 
 from kvroute.kernels import ops
 from kvroute.kernels.lora import LoRASegments
-from kvroute.replica.lora import LoRAAdapter, module_shapes
+from kvroute.replica.adapter_slots import AdapterSlots
+from kvroute.replica.lora import LoRAAdapter, load_adapter, module_shapes
 from kvroute.replica.models.arch import ModelArch
 
 # Fused Linear -> the PEFT projections side by side in its output.
@@ -90,63 +93,34 @@ def add_lora_layers(model: nn.Module, arch: ModelArch, max_loras: int, max_rank:
     return out
 
 
-class LoRAManager:
-    """Registered adapters (host) and device slots (LRU). One caller: the engine."""
+class LoRAManager(AdapterSlots):
+    """``AdapterSlots`` whose slots are the wrapped Linears' ``a``/``b`` rows: a slot load
+    copies the adapter's weights there (timed). One caller: the engine."""
 
     def __init__(self, arch: ModelArch, max_loras: int, max_rank: int, max_cpu_loras: int | None,
                  layers: list[dict[str, LoRALinear]], batch: LoRABatch) -> None:  # fmt: skip
-        self.arch, self.max_loras, self.max_rank, self.max_cpu_loras = arch, max_loras, max_rank, max_cpu_loras
-        self.layers, self.batch = layers, batch
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
-        self.num_slot_loads = 0  # adapters copied into a device slot
+        super().__init__(max_loras, max_rank, max_cpu_loras)
+        self.arch, self.layers, self.batch = arch, layers, batch
 
-    def add(self, adapter: LoRAAdapter) -> None:
-        """Register a validated adapter (ValueError, nothing kept, if the name is taken,
-        ``max_cpu_loras`` are registered, or it was read for another rank limit)."""
-        if adapter.name in self.adapters:
-            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded (unload it first)")
-        if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
-            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} adapters are loaded; unload one first")
-        if adapter.rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank={self.max_rank}")
-        self.adapters[adapter.name] = adapter
-
-    def unload(self, name: str) -> None:
-        self.require(name)
-        del self.adapters[name]
-        self.resident.pop(name, None)  # its slot is simply reused later
-
-    def require(self, name: str) -> None:
-        if name not in self.adapters:
-            known = ", ".join(sorted(self.adapters)) or "none"
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and validate the PEFT folder (weights too: ``replica/lora.py``)."""
+        return load_adapter(name, path, self.arch, self.max_rank)
 
     def segments(self, rows: Sequence[tuple[int, int, str | None]], device: torch.device) -> LoRASegments | None:
         """Make the adapters of ``rows`` (``(start, length, adapter or None)``) resident and
         lay them out; also sets the shared ``LoRABatch``."""
         names = {n for _, _, n in rows if n is not None}
-        slots = {n: self._slot(n, names) for n in names}
+        slots = {n: self._slot(n, names) for n in sorted(names)}
         seg = LoRASegments.from_rows([(s, n, slots[a] if a is not None else -1) for s, n, a in rows], device)
         self.batch.segments = seg
         return seg
 
-    def _slot(self, name: str, pinned: set[str]) -> int:
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            return self.resident[name]
-        used = set(self.resident.values())
-        free = [s for s in range(self.max_loras) if s not in used]
-        if free:
-            slot = free[0]
-        else:
-            victim = next(n for n in self.resident if n not in pinned)
-            slot = self.resident.pop(victim)
-        adapter = self.adapters[name]
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> float:
+        t0 = time.perf_counter()
         for layer_idx, wrapped in enumerate(self.layers):
             for fused, parts in FUSED_SLICES.items():
                 pairs = [adapter.weights.get((layer_idx, p)) for p in parts]
                 wrapped[fused].set_slot(slot, pairs, adapter.scale)
-        self.resident[name] = slot
-        self.num_slot_loads += 1
-        return slot
+        if self.layers and self.layers[0]["qkv_proj"].a.is_cuda:
+            torch.cuda.synchronize()  # (copies are asynchronous: time them whole)
+        return time.perf_counter() - t0

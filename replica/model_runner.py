@@ -106,13 +106,23 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_sizes and device.type == "cuda" and ops.uses_triton(device):
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self._forward, cuda_graph_sizes, self.max_blocks_per_seq, device, capture=True
-                )
+            self.use_decode_graphs(cuda_graph_sizes, capture=True)
+
+    def use_decode_graphs(self, sizes: Sequence[int], capture: bool) -> None:
+        """Decode-only steps of up to ``max(sizes)`` rows run through ``DecodeGraphs``
+        (captured, or with ``capture=False`` eager on the same padded buffers). The
+        graphs end with the logits, written into one buffer all batch sizes share."""
+        self._graph_logits = torch.empty((max(sizes), self.arch.vocab_size), dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_blocks_per_seq, self.device, capture)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode graph's body: every row's logits ``[b, vocab]``."""
+        hidden = self._forward(input_ids, positions, meta)
+        return self.model.compute_logits(hidden, out=self._graph_logits[: hidden.shape[0]])
 
     def take_restore_timings(self) -> list[tuple[int, float]]:
         """``(tokens, seconds)`` of each host-tier restore that finished since the last
@@ -144,7 +154,9 @@ class ModelRunner:
             b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)
             if copies is not None:
                 copies.join()
-            return self._logits(graphs.replay(b, len(step.rows)), inputs.logit_rows)
+            logits = graphs.replay(b, len(step.rows))  # [n, vocab], every row's
+            rows = inputs.logit_rows
+            return logits if len(rows) == len(step.rows) else logits[torch.tensor(rows, dtype=torch.int64, device=dev)]
         qsl = inputs.query_start_loc
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),

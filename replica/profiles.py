@@ -68,6 +68,7 @@ class StepProfile:
     kv_bytes_per_token: int = 0  # for host-tier copies
     host_copy_bytes_per_s: float = 0.0  # host -> device KV copy bandwidth (0: copies are free)
     prefill_s_per_pair: float = 0.0  # prefill attention: seconds per (new token, position it attends) pair
+    lora_bytes_per_rank: int = 0  # one rank of an adapter on every linear of the shape (0: slot loads are free)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -92,8 +93,20 @@ class StepProfile:
             return 0.0
         return tokens * self.kv_bytes_per_token / self.host_copy_bytes_per_s
 
+    def adapter_load_time(self, rank: int) -> float:
+        """Seconds to copy a rank-``rank`` LoRA adapter (every linear) into a device slot."""
+        if not self.host_copy_bytes_per_s:
+            return 0.0
+        return rank * self.lora_bytes_per_rank / self.host_copy_bytes_per_s
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# A LoRA adapter on every linear of Llama-3-8B, per rank, bf16: per layer (in + out) of
+# q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate and up 4096+14336, down 14336+4096
+# = 81,920 values, x 32 layers x 2 bytes (rank 16: 84 MB, 1.7 ms at 50.3 GB/s).
+LLAMA3_8B_LORA_BYTES_PER_RANK = 81_920 * 32 * 2
 
 
 def gpu_h100_llama3_8b() -> StepProfile:
@@ -106,6 +119,7 @@ def gpu_h100_llama3_8b() -> StepProfile:
         kv_blocks_per_replica=26_779,
         kv_bytes_per_token=131_072,
         host_copy_bytes_per_s=50.3e9,
+        lora_bytes_per_rank=LLAMA3_8B_LORA_BYTES_PER_RANK,
         source="measured: this engine on an H100 80GB HBM3, Llama-3-8B shape (gpu_engine --cost-model, 2026-11-23); see cost_model.py",
     )
 

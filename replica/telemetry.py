@@ -5,6 +5,8 @@ replicas, so both speak to the router in exactly the same way."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.replica.scheduler import Scheduler, SchedulerOutput
@@ -21,6 +23,8 @@ class ReplicaTelemetry:
         self.prefill_tokens_per_s = 0.0
         self.decode_step_s = 0.0
         self.host_restore_tokens_per_s = 0.0
+        # () -> (adapters resident in device slots, seconds a slot load takes); None: no adapters
+        self.lora_state: Callable[[], tuple[tuple[str, ...], float]] | None = None
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
         """Fold one step's duration into the prefill rate and the step cost model
@@ -43,6 +47,9 @@ class ReplicaTelemetry:
     def load(self) -> LoadFigures:
         s = self.scheduler
         spans = s.queued_spans()
+        resident, load_s = ((), 0.0) if self.lora_state is None else self.lora_state()
+        slots = s.config.max_loras
+        running = tuple(sorted({r.lora_name for r in s.running if r.lora_name is not None})) if slots else ()
         return LoadFigures(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
@@ -53,6 +60,10 @@ class ReplicaTelemetry:
             decode_step_s=self.decode_step_s,
             route_ticket=s.route_ticket,
             host_restore_tokens_per_s=self.host_restore_tokens_per_s,
+            resident_loras=resident,
+            adapter_load_s=load_s,
+            running_loras=running,
+            max_loras=slots,
         )
 
     def events(self) -> KVEvents:

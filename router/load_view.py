@@ -20,6 +20,14 @@ step cost, so a long prompt's deep positions cost what they cost there), and
 ``unpriced``, the tokens nobody priced yet (the increments, or the whole reported queue
 of a replica with no estimate), which the policy prices at the fleet's rate.
 
+LoRA adapters: each report names the adapters resident in the replica's device slots
+(``LoadFigures.resident_loras``) and what a slot load takes there (``adapter_load_s``); a
+request routed there with an adapter counts that adapter resident until a report that
+no longer needs the increment (it will be loaded for the request), so a burst of one
+adapter's requests sees it where the first went. Likewise running: a replica whose
+running requests hold all of its ``max_loras`` slots makes a request of another adapter
+wait for one to free (``adapters``' ``blocked``).
+
 Layout: each replica owns a slot (reused after removal) and every figure the policies
 read on the request path is a column (a list indexed by slot), so a report or an
 increment is a few list stores and ``columns`` hands a policy each column for its
@@ -69,10 +77,14 @@ class LoadView:
         self.free_blocks: list[float] = []  # KV blocks free at the last report ((1 - kv_usage) x capacity)
         self.queued_s: list[float] = []  # the reported queue's seconds, as the replica estimated them (0.0: none)
         self.unpriced: list[int] = []  # queued tokens not in queued_s: the increments (all, without an estimate)
+        self.resident: list[frozenset[str]] = []  # LoRA adapters in device slots, and those routed there since
+        self.adapter_load_s: list[float] = []  # seconds a slot load takes there (0.0: unknown)
+        self.running_loras: list[frozenset[str]] = []  # adapters of running requests, and those routed there since
+        self.max_loras: list[int] = []  # its adapter slots (0: no adapters)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
-        # per slot: (ticket, uncached tokens, deadline) of each request routed there that
-        # no report counts yet, oldest first (tickets and deadlines both increase)
-        self._transit: list[deque[tuple[int, int, float]]] = []
+        # per slot: (ticket, uncached tokens, deadline, adapter) of each request routed
+        # there that no report counts yet, oldest first (tickets and deadlines both increase)
+        self._transit: list[deque[tuple[int, int, float, str | None]]] = []
         self._figures: list[LoadFigures] = []
         self._capacity: list[int] = []
         self._reports: list[int] = []
@@ -117,17 +129,21 @@ class LoadView:
             now = self.clock()
             while transit and (transit[0][0] <= seen or transit[0][2] <= now):
                 transit.popleft()
-            for _, tokens, _ in transit:
-                self._bump(s, tokens)
+            for _, tokens, _, lora in transit:
+                self._bump(s, tokens, lora)
 
-    def on_routed(self, replica_id: str, uncached_tokens: int, ticket: int = 0) -> None:
-        """A request routed to ``replica_id``; a ``ticket`` of 0 (none) is superseded
-        by the next report whatever it counts."""
+    def on_routed(self, replica_id: str, uncached_tokens: int, ticket: int = 0, lora_name: str | None = None) -> None:
+        """A request routed to ``replica_id`` (with LoRA adapter ``lora_name``); a
+        ``ticket`` of 0 (none) is superseded by the next report whatever it counts."""
         s = self._get(replica_id)
-        self._bump(s, uncached_tokens)
-        self._transit[s].append((ticket, uncached_tokens, self.clock() + self.ttl_s))
+        self._bump(s, uncached_tokens, lora_name)
+        self._transit[s].append((ticket, uncached_tokens, self.clock() + self.ttl_s, lora_name))
 
-    def _bump(self, slot: int, uncached_tokens: int) -> None:
+    def _bump(self, slot: int, uncached_tokens: int, lora_name: str | None = None) -> None:
+        if lora_name is not None and lora_name not in self.resident[slot]:
+            self.resident[slot] = self.resident[slot] | {lora_name}
+        if lora_name is not None and lora_name not in self.running_loras[slot]:
+            self.running_loras[slot] = self.running_loras[slot] | {lora_name}
         self.in_flight[slot] += 1
         self.queue_len[slot] += 1
         self.backlog[slot] += 1
@@ -149,6 +165,10 @@ class LoadView:
         self.free_blocks[s] = free_kv_blocks(f.kv_usage, self._capacity[s])
         self.queued_s[s] = f.queued_prefill_s
         self.unpriced[s] = 0 if f.queued_prefill_s else f.queued_prefill_tokens
+        self.resident[s] = frozenset(f.resident_loras)
+        self.adapter_load_s[s] = f.adapter_load_s
+        self.running_loras[s] = frozenset(f.running_loras)
+        self.max_loras[s] = f.max_loras
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:
@@ -197,6 +217,18 @@ class LoadView:
             getter(self.unpriced),
         )
 
+    def adapters(
+        self, getter: Callable[[list], Sequence] | None, lora_name: str
+    ) -> tuple[list[bool], Sequence[float], list[bool]]:
+        """For the candidates ``getter`` selects: whether ``lora_name`` must be loaded
+        into a slot there (not resident), the seconds such a load takes (0.0: unknown),
+        and whether it must wait for a slot (every slot held by running requests of
+        other adapters)."""
+        pick = (lambda col: col) if getter is None else getter
+        running, slots = pick(self.running_loras), pick(self.max_loras)
+        blocked = [bool(m) and lora_name not in run and len(run) >= m for run, m in zip(running, slots)]
+        return [lora_name not in r for r in pick(self.resident)], pick(self.adapter_load_s), blocked
+
     def has_report(self, replica_id: str) -> bool:
         return self._reports[self._get(replica_id)] > 0
 
@@ -220,6 +252,10 @@ class LoadView:
             capacity_blocks=self._capacity[s],
             in_flight=self.in_flight[s],
             unpriced_tokens=self.unpriced[s],
+            resident_loras=tuple(sorted(self.resident[s])),
+            adapter_load_s=f.adapter_load_s,
+            running_loras=tuple(sorted(self.running_loras[s])),
+            max_loras=f.max_loras,
         )
         return cached
 
@@ -231,7 +267,7 @@ class LoadView:
         return [
             self.queued, self.rate, self.running, self.waiting, self.in_flight, self.decode_step,
             self.interference, self.queue_len, self.backlog, self.free_blocks, self.queued_s, self.unpriced,
-            self._transit, self._figures,
+            self.resident, self.adapter_load_s, self.running_loras, self.max_loras, self._transit, self._figures,
             self._capacity, self._reports, self._cached,
         ]  # fmt: skip
 

@@ -160,17 +160,22 @@ class Router:
         num_tokens: int,
         candidates: Sequence[str] | None = None,
         unsalted_hashes: Sequence[BlockHash] | None = None,
+        lora_name: str | None = None,
     ) -> RouteDecision:
         """Choose a replica for a request of ``num_tokens`` prompt tokens whose full
         blocks hash to ``block_hashes``; ``candidates`` None means every replica.
-        ``unsalted_hashes``: see ``RouteRequest`` (the simulator's text-matching peers)."""
+        ``unsalted_hashes``: see ``RouteRequest`` (the simulator's text-matching peers).
+        ``lora_name``: the request's LoRA adapter (the table then says where it is cold)."""
         cs = self._candidate_set(candidates)
         cands = cs.ids
         if num_tokens < len(block_hashes) * self.block_size:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than {len(block_hashes)} blocks × block_size {self.block_size}"
             )
-        request = RouteRequest(block_hashes, num_tokens, cands, self._table(block_hashes, cs), unsalted_hashes)
+        table = self._table(block_hashes, cs)
+        if lora_name is not None:
+            table.adapter_cold, table.adapter_load_s, table.adapter_blocked = self.loads.adapters(cs.loads, lora_name)
+        request = RouteRequest(block_hashes, num_tokens, cands, table, unsalted_hashes, lora_name)
         policy = self.policy
         decision = policy.choose(request, self)
         chosen = decision.replica_id
@@ -186,13 +191,15 @@ class Router:
         # like their decisions and a replica's highest accepted ticket covers them all
         self._ticket = ticket = max(self._ticket + 1, time.time_ns() // 1000)
         decision.ticket = ticket
-        self.loads.on_routed(chosen, num_tokens - cached, ticket)
+        self.loads.on_routed(chosen, num_tokens - cached, ticket, lora_name)
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
         return decision
 
-    def note_routed(self, replica_id: str, block_hashes: Sequence[BlockHash], num_tokens: int, ticket: int) -> bool:
+    def note_routed(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], num_tokens: int, ticket: int, lora_name: str | None = None
+    ) -> bool:
         """Another router sent a request of ``num_tokens`` to ``replica_id``: record its
         blocks as pending there and its load increment under its ticket, as ``route``
         does for its own (policies' own state hears only of their own decisions).
@@ -202,7 +209,7 @@ class Router:
         held = self.directory.match(block_hashes, [replica_id]).get(ReplicaId(replica_id), 0)
         if held < len(block_hashes):
             self.directory.add_pending(replica_id, block_hashes, start=held)
-        self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket)
+        self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket, lora_name)
         self._peer_decisions += 1
         return True
 

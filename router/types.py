@@ -27,6 +27,7 @@ class RouteRequest:
     # a router matching prompt TEXT sees (tenants sharing a system prompt look alike).
     # The simulator gives it to the text-matching peers' re-implementations.
     unsalted_hashes: Sequence[BlockHash] | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (its hashes already fold it in)
 
     @property
     def text_hashes(self) -> Sequence[BlockHash]:
@@ -94,11 +95,15 @@ class CandidateTable:
     (capacity - cached - pending; None when the view cannot tell). Columns are sequences the caller must not mutate.
     ``host_depth[i]``: blocks past ``depth[i]`` that candidate ``i``'s host tier holds
     (None: no candidate has any), restored at ``host_rate[i]`` tokens/s (0: unmeasured).
+    ``adapter_cold[i]``: the request's LoRA adapter is not resident on candidate ``i``
+    (None: a base-model request), a slot load of ``adapter_load_s[i]`` seconds (0.0: unknown);
+    ``adapter_blocked[i]``: it would wait there for a slot that running requests hold.
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
         "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
+        "adapter_cold", "adapter_load_s", "adapter_blocked",
     )  # fmt: skip
 
     def __init__(
@@ -134,6 +139,9 @@ class CandidateTable:
         self.room = room
         self.host_depth: Sequence[int] | None = None
         self.host_rate: Sequence[float] = ()
+        self.adapter_cold: Sequence[bool] | None = None
+        self.adapter_load_s: Sequence[float] = ()
+        self.adapter_blocked: Sequence[bool] | None = None
 
     def longest(self) -> int:
         """The most leading blocks any candidate holds, counting both tiers."""

@@ -6,7 +6,10 @@ allocation, blocks registered in the prefix cache), then the model's time, here
 one token appended per sampling row (the spec's planned answer token, or a
 deterministic id), ``finish`` at the output length, and the step's KV events from
 ``kv.take_events()`` with the same load figures (and the same EMA rate estimates) the
-engine publishes.
+engine publishes. LoRA adapters (``max_loras`` > 0): ``max_loras`` slots, least
+recently used evicted (``replica/adapter_slots.py``), adapters registered on first use;
+a step that needs a cold adapter takes its slot load too (the profile's
+``adapter_load_time`` of a rank-``lora_rank`` adapter), as the emulated engine does.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from kvroute.replica.adapter_slots import AdapterInfo, EmulatedAdapters
 from kvroute.replica.emulated import step_seconds
 from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.workloads import RequestSpec
@@ -60,6 +64,8 @@ class SimReplica:
         cost: StepProfile,
         sched_config: SchedulerConfig,
         host_blocks: int = 0,
+        max_loras: int = 0,
+        lora_rank: int = 16,
     ) -> None:
         self.replica_id = replica_id
         self.hash_spec = hash_spec
@@ -71,15 +77,24 @@ class SimReplica:
         self._current: SchedulerOutput | None = None
         self._step_s = 0.0
         self.telemetry = ReplicaTelemetry(replica_id, self.scheduler, self.kv)
+        self.loras: EmulatedAdapters | None = None
+        if max_loras:
+            self.loras = EmulatedAdapters(max_loras, lora_rank, None, cost.adapter_load_time)
+            self.telemetry.lora_state = self.loras.state
+        self.lora_rank = lora_rank
         self.num_steps = 0
         self.busy_s = 0.0
 
     # ------------------------------------------------------------------ requests
     def make_request(self, spec: RequestSpec, block_hashes: list[BlockHash], now: float) -> Request:
         params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
-        req = Request(
-            RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, spec.cache_salt, arrival_time=now
-        )
+        if spec.lora_name is not None:
+            if self.loras is None:
+                raise ValueError(f"request {spec.request_id} names LoRA adapter {spec.lora_name!r}; set max_loras")
+            if spec.lora_name not in self.loras.adapters:  # every adapter is on every replica's host
+                self.loras.add(AdapterInfo(spec.lora_name, None, self.lora_rank))
+        req = Request(RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, spec.cache_salt,
+                      spec.lora_name, arrival_time=now)  # fmt: skip
         req.block_hashes = list(block_hashes)  # memoized: the router already hashed the prompt
         return req
 
@@ -108,6 +123,8 @@ class SimReplica:
         if sched.empty:
             return None
         self._step_s = step_seconds(self.cost, sched)
+        if self.loras is not None:
+            self._step_s += self.loras.acquire({r.request.lora_name for r in sched.rows if r.request.lora_name is not None})
         self._current = sched
         self.busy = True
         return self._step_s

@@ -61,6 +61,8 @@ class SimConfig:
     fail_at_s: float = 0.0
     num_routers: int = 1  # routers taking the arrivals in turn, each fed every replica's events
     peer_delay_s: float = 0.0  # a decision reaches the other routers this much later (< 0: never)
+    max_loras: int = 0  # LoRA adapter slots per replica (0: no adapters)
+    lora_rank: int = 16  # every adapter's rank (its slot load: the profile's adapter_load_time)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -105,7 +107,7 @@ class Simulation:
         self.config = config
         self.now = 0.0
         self.hash_spec = HashSpec(config.block_size, config.hash_seed, "sim")
-        sched = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
+        sched = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_loras=config.max_loras)
         self._sched = sched
         self.replicas = {f"r{i}": self._new_replica(f"r{i}") for i in range(config.num_replicas)}
         if policy == "oracle":
@@ -132,7 +134,8 @@ class Simulation:
 
     def _new_replica(self, replica_id: str) -> SimReplica:
         c = self.config
-        return SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks)
+        return SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks, c.max_loras,
+                          c.lora_rank)  # fmt: skip
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._n, kind, payload))
@@ -169,15 +172,15 @@ class Simulation:
 
     def _arrive(self, spec: RequestSpec, arrival_s: float | None = None, first_token_s: float | None = None) -> None:
         """Route ``spec`` and queue it; a retry passes its original arrival and first token."""
-        hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt)
-        # a text-matching peer sees the prompt, not the salt
-        text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids)
+        hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt, lora_name=spec.lora_name)
+        # a text-matching peer sees the prompt, not the salt; it keys an adapter's prompts apart (the model name)
+        text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids, lora_name=spec.lora_name)
         k = self._arrivals % len(self.routers)
         self._arrivals += 1
-        decision = self.routers[k].route(hashes, spec.num_prompt_tokens, None, text)
+        decision = self.routers[k].route(hashes, spec.num_prompt_tokens, None, text, lora_name=spec.lora_name)
         if self.config.peer_delay_s >= 0:
             for j, peer in enumerate(self.routers):
-                args = (decision.replica_id, hashes, spec.num_prompt_tokens, decision.ticket)
+                args = (decision.replica_id, hashes, spec.num_prompt_tokens, decision.ticket, spec.lora_name)
                 if j == k:
                     continue
                 if self.config.peer_delay_s == 0:
@@ -255,6 +258,7 @@ class Simulation:
             reuse.add(s.spec.num_prompt_tokens, s.available_tokens, s.expected_cached_tokens,
                       max(s.request.num_cached_tokens, 0), s.reason)  # fmt: skip
         leaked = sum(sum(1 for c in rep.block_ref_counts() if c) for rep in self.replicas.values())
+        loads = sum(rep.loras.num_slot_loads for rep in self.replicas.values() if rep.loras is not None)
         per_replica = {rid: 0 for rid in self.replicas}
         for s in done:
             per_replica[s.replica_id] += 1
@@ -279,6 +283,8 @@ class Simulation:
             "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
             "snapshots": self.num_snapshots,
             "retried": self.num_retried,
+            "adapter_loads": loads,
+            "adapter_loads_per_1k": 1000 * loads / len(done) if done else 0.0,
             "leaked_blocks": leaked,
             "requests_per_replica": per_replica,
             "reasons": dict(sorted(self.reasons.items())),

@@ -219,5 +219,11 @@ class DecoderForCausalLM(nn.Module):
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], the model's dtype
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, vocab]
+        """The rows' logits in the model's dtype, into ``out`` when given (the decode
+        graphs' shared buffer: the product writes it directly, no copy)."""
+        weight = getattr(self.lm_head, "weight", None)  # None: the CPU's prepacked Linear
+        if out is None or weight is None:
+            logits = self.lm_head(hidden)
+            return logits if out is None else out.copy_(logits)
+        return torch.matmul(hidden, weight.t(), out=out)

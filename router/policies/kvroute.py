@@ -8,6 +8,14 @@ The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
     work_r   = queued_prefill_tokens_r + n − cached_r
     ttft_r   = wait_r + (n − cached_r) / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
+A request of a LoRA adapter not resident on ``r`` waits for a slot load too: ``wait_r``
+grows by ``r``'s ``adapter_load_s`` (measured there, or the profile's; unknown: the
+candidates' mean, else ``default_adapter_load_s``), so one adapter's requests gather
+where it is loaded and its prefixes are cached, and spread when that replica is busy.
+A third admission rule: a candidate whose running requests hold all its adapter slots
+with other adapters takes no request of another one while some candidate can (it would
+wait for a slot, and block the requests queued behind it).
+
 ``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
 measured step cost: a long prompt's deep positions cost more per token than a short
 prompt's); ``unpriced_r`` the queued tokens it does not cover (routed since its last
@@ -58,6 +66,7 @@ class KVRoutePolicy(Policy):
         batch_slack_rel: float = BATCH_SLACK_REL,
         batch_slack_abs: int = BATCH_SLACK_ABS,
         saturated_stick: bool = True,
+        default_adapter_load_s: float = 0.05,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -82,6 +91,9 @@ class KVRoutePolicy(Policy):
         self.batch_slack_rel = float(batch_slack_rel)
         self.batch_slack_abs = int(batch_slack_abs)
         self.saturated_stick = bool(saturated_stick)
+        if default_adapter_load_s < 0:
+            raise ValueError(f"default_adapter_load_s must be >= 0, got {default_adapter_load_s!r}")
+        self.default_adapter_load_s = float(default_adapter_load_s)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -113,6 +125,13 @@ class KVRoutePolicy(Policy):
         """Seconds each candidate's queue takes: its own estimate, plus the tokens it
         leaves out at ``fleet_rate``."""
         return [s + u / fleet_rate for s, u in zip(queued_s, unpriced)]
+
+    def adapter_waits(self, waits: Sequence[float], cold: Sequence[bool], load_s: Sequence[float]) -> list[float]:
+        """``waits`` plus, where the request's adapter is ``cold``, its slot load: that
+        replica's ``load_s``, or where unknown (0.0) the known ones' mean (else the default)."""
+        known = [x for x in load_s if x]
+        default = sum(known) / len(known) if known else self.default_adapter_load_s
+        return [w + (x or default) if c else w for w, c, x in zip(waits, cold, load_s)]
 
     def predict_ttft(self, load: ReplicaLoad, uncached_tokens: int, peers: Sequence[ReplicaLoad] = ()) -> float:
         """Seconds until the first token of a request needing ``uncached_tokens`` of
@@ -171,7 +190,13 @@ class KVRoutePolicy(Policy):
         def room(positions: Sequence[int]) -> list[int]:
             return [round((1 - fill(cands[i])) * loads[i].capacity_blocks) for i in positions]  # type: ignore[misc]
 
-        return CandidateTable.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
+        table = CandidateTable.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
+        if request.lora_name is not None:
+            table.adapter_cold = [request.lora_name not in ld.resident_loras for ld in loads]
+            table.adapter_load_s = [ld.adapter_load_s for ld in loads]
+            table.adapter_blocked = [bool(ld.max_loras) and request.lora_name not in ld.running_loras
+                                     and len(ld.running_loras) >= ld.max_loras for ld in loads]  # fmt: skip
+        return table
 
     def choose_from(self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0) -> RouteDecision:
         """The decision for a request of ``num_tokens`` tokens over ``table``: estimate
@@ -186,7 +211,8 @@ class KVRoutePolicy(Policy):
         least = min(table.free_blocks)
         kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
         top = est.top
-        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit):
+        blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
+        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit) and not (blocked and blocked[top]):
             if self._clear_owner(est, n, saturated):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
         own = [n] * len(qlen)
@@ -196,6 +222,9 @@ class KVRoutePolicy(Policy):
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
             ok = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
+        if blocked is not None:  # no free adapter slot: the request would wait for running ones to finish
+            free = [not b for b in blocked] if ok is None else [a and not b for a, b in zip(ok, blocked)]
+            ok = free if any(free) else ok
         best = min(ts) if ok is None else min(compress(ts, ok))
         pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:
@@ -212,7 +241,10 @@ class KVRoutePolicy(Policy):
         else:  # an unmeasured replica borrows its peers' mean decode step
             fleet_rate, default_step = self._fallback(table.rate, table.decode_step)
             interference = [(d or default_step) if b else 0.0 for d, b in zip(table.decode_step, table.running)]
-        est = _Estimate(fleet_rate, interference, self.waits(table.queued_s, table.unpriced, fleet_rate))
+        waits = self.waits(table.queued_s, table.unpriced, fleet_rate)
+        if table.adapter_cold is not None:
+            waits = self.adapter_waits(waits, table.adapter_cold, table.adapter_load_s)
+        est = _Estimate(fleet_rate, interference, waits)
         depth, host = table.depth, table.host_depth
         held = depth if host is None else [d + h for d, h in zip(depth, host)]
         if any(held):
@@ -288,12 +320,16 @@ class KVRoutePolicy(Policy):
         num_blocks: int,
     ) -> int:
         """No owner eligible: a new prefix goes to the roomiest cache among the
-        admissible near-best (then the fastest); anything else to the fastest
-        admissible replica (then the shorter queue, the first)."""
+        admissible near-best (those with the request's adapter resident first, if any),
+        then the fastest; anything else to the fastest admissible replica (then the
+        shorter queue, the first)."""
         qlen = table.queue_len
         if not est.longest and table.room is not None:
             near = map(le, ts, repeat(best + self._slack(best)))
             eligible = list(compress(range(len(ts)), near if ok is None else map(and_, near, ok)))
+            cold = table.adapter_cold
+            if cold is not None and len(eligible) > 1:  # a slot load evicts another adapter: avoid it when near-equal
+                eligible = [i for i in eligible if not cold[i]] or eligible
             if len(eligible) > 1:
                 rooms = table.room(eligible)
                 high = max(rooms) - self.fill_slack * num_blocks

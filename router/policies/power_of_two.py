@@ -8,7 +8,9 @@ replica's pending requests are ``ReplicaLoad.queue_len`` (waiting + running + ro
 since the last report). A tie goes to the first of the two samples. With one candidate
 that candidate is chosen. Randomness comes from ``random.Random(seed)`` so a run is
 reproducible. ``expected_cached_tokens`` is what the router's directory says the chosen
-replica holds.
+replica holds. A LoRA request samples among the replicas with its adapter loaded (else
+those with the fewest), as Ray Serve does for a multiplexed model id
+(``common.multiplex_candidates``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import ClassVar, Sequence
 
-from kvroute.router.policies.common import directory_cached_tokens
+from kvroute.router.policies.common import directory_cached_tokens, multiplex_candidates
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.types import ReplicaId, RouteDecision, RouteRequest
 
@@ -36,7 +38,7 @@ class PowerOfTwoPolicy(Policy):
         self._rng = random.Random(seed)
 
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
-        replica = power_of_two_pick(request.candidates, view, self._rng)
+        replica = power_of_two_pick(multiplex_candidates(request, view), view, self._rng)
         return RouteDecision(
             replica,
             directory_cached_tokens(replica, request.block_hashes, request.num_tokens, view),

@@ -24,6 +24,10 @@ eviction off (``do_eviction=False``; when on, Ray trims at 400,000 characters do
 360,000). Here ``max_tree_blocks=None`` means no eviction; set a block count to bound
 each replica's tree (LRU, leaves first).
 
+A LoRA request (Ray Serve LLM: a multiplexed model id) is routed among the replicas
+with its adapter loaded, else those with the fewest loaded (``common.multiplex_candidates``),
+as Ray's router applies multiplex routing before its prefix match.
+
 Approximations (ours): the tree is over full-block hashes instead of characters
 (``approx_tree.ApproxPrefixTree``); queue length is ``ReplicaLoad.queue_len``; ties in
 the final queue comparison go to the earlier candidate. ``expected_cached_tokens`` is
@@ -36,7 +40,7 @@ import random
 from typing import ClassVar
 
 from kvroute.router.policies.approx_tree import ApproxPrefixTree, TreePolicy
-from kvroute.router.policies.common import cached_tokens
+from kvroute.router.policies.common import cached_tokens, multiplex_candidates
 from kvroute.router.policies.power_of_two import power_of_two_pick
 from kvroute.router.policy import ClusterView
 from kvroute.router.types import RouteDecision, RouteRequest
@@ -65,7 +69,7 @@ class PrefixAffinityRayPolicy(TreePolicy):
         self._rng = random.Random(seed)
 
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
-        cands = request.candidates
+        cands = multiplex_candidates(request, view)
         loads = {r: view.load(r).queue_len for r in cands}
         matches = self.tree.match(request.text_hashes, cands)
         if max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:

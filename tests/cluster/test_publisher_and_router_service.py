@@ -130,7 +130,7 @@ def test_routers_share_their_decisions_so_two_place_like_one():
     second = b.rank(prefix + [BlockHash(2)], 40, ["r0", "r1", "r2"])
     assert second.replica_ids[0] == chosen and second.expected_cached_tokens == 8 * SPEC.block_size
     assert set(b.stats()["peer_staleness_ms"]) == {"p50", "p99"}
-    assert b.note_peer_decisions([("gone", prefix, 40, 1, 0.0)]) == 0  # an unknown replica is skipped
+    assert b.note_peer_decisions([("gone", prefix, 40, 1, 0.0, None)]) == 0  # an unknown replica is skipped
 
 
 def test_the_flusher_sends_the_last_decisions_before_a_lull():

@@ -126,6 +126,18 @@ def test_bad_workers_are_refused_with_the_field_named(workers, message):
     assert str(exc.value) == f"invalid kvroute application args: {message}"
 
 
+def test_lora_config_turns_adapters_on_in_ray_serve_llms_shape():
+    llm = {"model_loading_config": {"model_id": "m"}, "lora_config": {"dynamic_lora_loading_path": "/adapters",
+           "max_num_adapters_per_replica": 4}}  # fmt: skip
+    engine = parse_args({"llm_configs": [llm]}).cluster_config().engine
+    assert engine.enable_lora and engine.max_loras == 4
+    clash = {**llm, "engine_kwargs": {"max_loras": 2}}
+    with pytest.raises(ValueError, match=r"\['max_loras'\] disagree with lora_config"):
+        parse_args({"llm_configs": [clash]}).cluster_config()
+    with pytest.raises(ValueError, match="lora_config.download_timeout_s"):
+        parse_args({"llm_configs": [{**llm, "lora_config": {"download_timeout_s": 5}}]})
+
+
 def test_an_ingress_only_app_needs_the_engine_apps_seed_and_an_engine_app():
     """compose_ingress_app (the multi-ingress benchmark's extra ingresses) refuses args
     that could not share the engine application's directory: no pinned hash seed, or an

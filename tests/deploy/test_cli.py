@@ -286,3 +286,13 @@ def test_serve_workers_builds_the_workers_application():
     assert [(w.url, w.kv_events_endpoint, w.replay_endpoint) for w in evented] == [
         ("http://a:8000", "tcp://a:5557", "tcp://a:5558"), ("http://b:8000", "tcp://b:5557", None)]
     assert serve_app_args(build_parser().parse_args(["serve"])).workers is None
+
+
+def test_serve_dynamic_lora_path_is_lora_config():
+    from kvroute.deploy.cli import build_parser, serve_app_args
+
+    app = serve_app_args(build_parser().parse_args(["serve", "--dynamic-lora-path", "/adapters", "--max-loras", "3"]))
+    llm = app.llm_configs[0]
+    assert llm.lora_config.dynamic_lora_loading_path == "/adapters"
+    engine = app.cluster_config().engine
+    assert engine.enable_lora and engine.max_loras == 3

@@ -56,3 +56,36 @@ def test_engine_events_translate_back_to_the_engine_hashes():
     assert kv.reset_prefix_cache()
     ev = _step(kv, stream, 3)
     assert ev.cleared and stream.cache.hashes(wire.DEVICE) == []
+
+
+def test_adapter_blocks_carry_the_adapter_and_translate_back():
+    """An adapter's blocks name it (``lora_name`` on every block, first in the extra
+    keys, before the first block's salt), as vLLM's do, and translate back to the
+    engine's own hashes, also when restored from the host tier; the same tokens without
+    the adapter are other blocks."""
+    kv = KVCacheManager(4, BS, host_blocks=8)
+    stream = WorkerStream("r", SPEC)
+
+    def admit(rid: str, lora: str | None, salt: str | None = None) -> Request:
+        req = Request(RequestId(rid), list(range(13)), SamplingParams(max_tokens=4), SPEC, cache_salt=salt, lora_name=lora)
+        hits, _ = kv.get_computed_blocks(req)
+        assert kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits) is not None
+        return req
+
+    a = admit("a", "sql", salt="t1")  # 3 full blocks of the pool's 4
+    events = vllm_events(kv, KVEvents("r", 0, list(a.block_hashes), [], False))
+    assert [e["lora_name"] for e in events] == ["sql"] * 3
+    assert [e["extra_keys"] for e in events] == [[["sql", "t1"]], [["sql"]], [["sql"]]]
+    assert _step(kv, stream, 0).stored == a.block_hashes
+    kv.free(a)
+    base = admit("base", None, salt="t1")
+    assert not set(base.block_hashes) & set(a.block_hashes)
+    ev = _step(kv, stream, 1)  # base's blocks evict a's into the host tier
+    assert ev.stored == base.block_hashes and sorted(ev.removed) == sorted(a.block_hashes)
+    kv.take_copies()
+    kv.free(base)
+    a2 = admit("a2", "sql", salt="t1")
+    assert kv.take_copies().restores and a2.block_hashes == a.block_hashes
+    assert sorted(_step(kv, stream, 2).stored) == sorted(a.block_hashes)
+    assert all(kv.cached_block(h).lora_name == "sql" for h in a.block_hashes)
+    assert set(stream.cache.hashes(wire.DEVICE)) == set(kv.cached_block_hashes())

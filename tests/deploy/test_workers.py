@@ -268,3 +268,60 @@ def test_a_worker_with_kv_events_feeds_the_directory_exactly(fleet):
             _admin(fleet, "POST", json={"url": w["url"], "id": wid})
         _stop(proc)
     wait_until(lambda: all(len(ray.get(r.replicas.remote())) == 2 for r in fleet["routers"]), 30, "the workers back")
+
+
+def test_a_workers_lora_adapter_is_served_and_keyed_by_the_adapter(fleet, tmp_path):
+    """A worker that serves a LoRA adapter (``serve-replica --enable-lora``, KV events
+    on): the ingress lists the adapter, sends its requests only to workers that serve
+    it, under the adapter's name, and hashes their blocks with the adapter as the
+    worker's engine does: the directory holds the adapter-keyed hashes, not the base
+    model's, and the next request of that adapter reuses them."""
+    from kvroute.benchmarks.lora_adapters import save_random_adapter
+    from kvroute.replica.block_hash import hash_blocks
+    from kvroute.replica.checkpoint import load_hf_config
+    from kvroute.replica.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(load_hf_config(fleet["model_path"]))
+    adapter = save_random_adapter(tmp_path / "sql", arch, rank=4, seed=5)
+    port, events = free_port(), free_port()
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%d"}' % events
+    proc, _ = start_cli(["serve-replica", "--model", str(fleet["model_path"]), "--port", str(port), "--replica-id", "lora",
+                         "--block-size", str(BLOCK), "--num-kv-blocks", "256", "--served-model-name", MODEL,
+                         "--dtype", "float32", "--enable-lora", "--lora-modules", f"sql={adapter}",
+                         "--kv-events-config", config], "serving")  # fmt: skip
+    try:
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{port}"), 120, "the LoRA worker", 0.1)
+        added = _admin(fleet, "POST", json={"url": f"http://127.0.0.1:{port}", "id": "lora",
+                                            "kv_events_endpoint": f"tcp://127.0.0.1:{events}"})  # fmt: skip
+        assert added.status_code == 201, added.text
+        client = _client(fleet["url"])
+        wait_until(lambda: "sql" in {m.id for m in client.models.list().data}, 30, "the adapter listed")
+        listed = {m.id: m for m in client.models.list().data}
+        assert listed["sql"].parent == MODEL
+        ids = [(7 * i) % 500 + 3 for i in range(6 * BLOCK + 3)]
+        first = client.completions.create(model="sql", prompt=ids, max_tokens=2, temperature=0)
+        assert first.model == "sql" and first.usage.prompt_tokens == len(ids)
+        router = fleet["routers"][0]
+        spec = ray.get(router.__ray_call__.remote(lambda actor: actor.hash_spec))
+        keyed = hash_blocks(spec, ids, lora_name="sql")[: (len(ids) - 1) // BLOCK]
+        for r in fleet["routers"]:
+            wait_until(lambda: set(keyed) <= set(ray.get(r.directory.remote("lora"))), 15, "the adapter's blocks")
+        assert not set(hash_blocks(spec, ids)) & set(ray.get(router.directory.remote("lora")))
+        again = client.completions.create(model="sql", prompt=ids + [9, 9, 9], max_tokens=2, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == len(keyed) * BLOCK
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-adapter", prompt=ids, max_tokens=2)
+        # loaded and unloaded through the ingress: on the workers that can (the emulated ones refuse)
+        other = save_random_adapter(tmp_path / "sql2", arch, rank=4, seed=6)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(fleet["url"] + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(other)},
+                       headers=auth, timeout=30)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert client.completions.create(model="sql2", prompt=ids, max_tokens=2, temperature=0).model == "sql2"
+        r = httpx.post(fleet["url"] + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="sql2", prompt=ids, max_tokens=2)
+    finally:
+        _admin(fleet, "DELETE", "/lora")
+        _stop(proc)

@@ -154,3 +154,21 @@ def test_cuda_graph_decode_equals_eager(tiny_paths):
         got = [o.token_ids for o in graphs.generate(batch, params, use_tqdm=False)]
         assert got == want
     assert_no_leak(graphs)
+
+
+def test_decode_graph_logits_equal_eager_bf16(tiny_paths):
+    """bf16: a graph-replayed decode step's logits, written into the graphs' shared
+    buffer, equal the eager step's."""
+    from kvroute.benchmarks.gpu_engine import _rows
+
+    llm = LLM(str(tiny_paths["qwen2"]), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=512, max_num_seqs=16)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    for b in (1, 5, 16):
+        step = _rows(b, 40, 1, 16)
+        graph = runner.execute(step).float().clone()
+        graphs, runner.graphs = runner.graphs, None
+        eager = runner.execute(step).float()
+        runner.graphs = graphs
+        assert graph.shape == eager.shape == (b, 1024)
+        assert float((graph - eager).norm() / eager.norm()) < 2e-2, b

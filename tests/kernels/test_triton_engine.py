@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvroute.kernels import ops
-from kvroute.replica.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kvroute.replica.cuda_graphs import default_graph_sizes
 from kvroute.replica.llm import LLM
 from tests.replica.helpers import assert_no_leak, engine_greedy, prompts_for
 
@@ -54,7 +54,7 @@ def test_padded_decode_batches_equal_unpadded(tiny_llama_path):
     with ops.use_backend("triton"):
         llm = LLM(str(tiny_llama_path), **kw)
         runner = llm.engine.runner
-        runner.graphs = DecodeGraphs(runner._forward, [1, 2, 4], runner.max_blocks_per_seq, torch.device("cpu"), capture=False)
+        runner.use_decode_graphs([1, 2, 4], capture=False)
         calls = []
         load = runner.graphs.load
         runner.graphs.load = lambda *a: calls.append(len(a[0])) or load(*a)

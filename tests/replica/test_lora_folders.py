@@ -88,7 +88,6 @@ def test_max_cpu_loras(tiny_llama_path: Path, tmp_path: Path):
         (dict(lora_modules={"a": "/x"}), "lora_modules needs enable_lora"),
         (dict(enable_lora=True, lora_modules={"": "/x"}), "adapter name must be a non-empty string"),
         (dict(enable_lora=True, lora_modules={"a": 3}), r"lora_modules\['a'\] must be a folder path"),
-        (dict(enable_lora=True, emulate="cpu_measured"), "not supported on an emulated engine"),
     ],
 )
 def test_config_validation(kwargs, message):

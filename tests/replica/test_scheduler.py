@@ -2,8 +2,6 @@
 
 import itertools
 
-import pytest
-
 import kvroute.replica.request as request_mod
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_cache_manager import KVCacheManager
@@ -244,9 +242,8 @@ def test_events_are_net_per_batch():
     kv = KVCacheManager(2, BS)
     r = make_req(range(4))
     kv.allocate_slots(r, 4)
-    h = r.block_hashes[0]
     kv.free(r)
-    kv.pool.take_new_blocks(2)  # evicts h in the same batch it was stored
+    kv.pool.take_new_blocks(2)  # evicts r's block in the same batch it was stored
     assert kv.take_events() == ([], [], False)
 
 

@@ -75,8 +75,6 @@ def test_embedded_model_folder(smollm2_path: Path) -> None:
 
 
 def test_second_resolve_does_not_reconvert(smollm2_path: Path, monkeypatch) -> None:
-    import kvroute.replica.weights as weights
-
     weights_file = smollm2_path / "model.safetensors"
     before = weights_file.stat().st_mtime_ns
 

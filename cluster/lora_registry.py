@@ -1,0 +1,176 @@
+"""The application's LoRA adapters: one registry, and each replica kept in step with it
+(ARCHITECTURE.md §2, LoRA adapters in the Serve application).
+
+``LoRARegistry`` (plain; ``LoRARegistryActor`` is it as a detached Ray actor named
+``kvroute-router:<app>:loras``, so ``kill_router_actors`` ends it with the routers) is
+the fleet's list of adapters, ``{name: folder}``: the engine config's ``lora_modules``
+from the start, then what the ingresses add (``POST /v1/load_lora_adapter``, or an
+adapter of the ``dynamic_lora_loading_path`` on first use) and remove. Every replica
+sees the same folders, so a folder path is the adapter.
+
+``ReplicaAdapters`` keeps one replica's engine in step: at start and every
+``sync_period_s`` it loads what it lacks (while ``max_cpu_loras`` leaves room) and
+unloads what the registry no longer lists (an adapter still in use is unloaded at a
+later sync); a request for an adapter the engine has not loaded yet loads it first
+(``ensure``), making room by unloading the least recently used idle one. A registry that
+restarted comes back with the config's adapters only (a new ``epoch``): the replicas
+then offer it what they hold instead of unloading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import ray
+
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.messages import ROUTER_NAMESPACE
+from kvroute.replica.config import check_adapter_name
+
+if TYPE_CHECKING:
+    from kvroute.replica.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+# (epoch, {name: folder}): a registry's state as replicas read it
+Snapshot = tuple[str, dict[str, str]]
+
+
+class LoRARegistry:
+    """The adapters of one application, by name. ValueError for a name taken by another
+    folder or one that is not a valid adapter name."""
+
+    def __init__(self, modules: Mapping[str, str] = ()) -> None:
+        self.epoch = secrets.token_hex(8)
+        self.modules: dict[str, str] = dict(modules)
+
+    def snapshot(self) -> Snapshot:
+        return self.epoch, dict(self.modules)
+
+    def path(self, name: str) -> str | None:
+        return self.modules.get(name)
+
+    def add(self, name: str, path: str) -> bool:
+        """Register ``name``; False when it already names ``path`` (nothing to do)."""
+        check_adapter_name(name)
+        known = self.modules.get(name)
+        if known is not None and known != path:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (from {known}); unload it first")
+        self.modules[name] = path
+        return known is None
+
+    def remove(self, name: str) -> bool:
+        return self.modules.pop(name, None) is not None
+
+    def restore(self, epoch: str, modules: Mapping[str, str]) -> str:
+        """A replica's adapters after this registry restarted (``epoch`` is the one the
+        replica last saw): taken where the name is free. Returns the current epoch."""
+        if epoch != self.epoch:
+            for name, path in modules.items():
+                self.modules.setdefault(name, path)
+        return self.epoch
+
+
+LoRARegistryActor = ray.remote(num_cpus=0, max_restarts=-1)(LoRARegistry)
+
+
+def lora_registry_name(config: ClusterConfig) -> str:
+    return f"{config.router_actor_name}:loras"
+
+
+def get_or_create_lora_registry(config: ClusterConfig) -> ray.actor.ActorHandle:
+    """The application's registry, created on first use (detached, like the routers)."""
+    return LoRARegistryActor.options(
+        name=lora_registry_name(config), namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(dict(config.engine.lora_modules))
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    """Two spellings of one folder (the engine keeps ``Path(path).expanduser()``)."""
+    return a is not None and b is not None and Path(a).expanduser() == Path(b).expanduser()
+
+
+class ReplicaAdapters:
+    """One replica's engine in step with the registry (one caller: the replica's loop)."""
+
+    def __init__(self, engine: "AsyncEngine", registry: Any, max_cpu_loras: int | None) -> None:
+        self.engine, self.registry, self.max_cpu_loras = engine, registry, max_cpu_loras
+        self.epoch: str | None = None
+        self._last_used: dict[str, float] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    def _loaded(self) -> dict[str, str]:
+        return self.engine.lora_modules()
+
+    async def ensure(self, name: str) -> None:
+        """Make ``name`` loaded here (ValueError when the registry does not list it)."""
+        self._last_used[name] = time.monotonic()
+        if name in self._loaded():
+            return
+        path = await self.registry.path.remote(name)
+        if path is None:
+            raise ValueError(f"unknown LoRA adapter {name!r} (not loaded in this application)")
+        await self.load(name, path)
+
+    async def load(self, name: str, path: str) -> None:
+        """Load ``name`` from ``path`` unless already loaded from it (ValueError when the
+        folder is bad or another folder holds the name); concurrent calls share one load."""
+        pending = self._loading.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        known = self._loaded().get(name)
+        if known is not None:
+            if not _same(known, path):
+                raise ValueError(f"LoRA adapter {name!r} is already loaded (from {known}); unload it first")
+            return
+        future = self._loading[name] = asyncio.get_running_loop().create_future()
+        try:
+            await self._make_room()
+            await self.engine.load_lora(name, path)
+            self._last_used.setdefault(name, time.monotonic())
+            future.set_result(None)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self._loading[name]
+
+    async def _make_room(self) -> None:
+        loaded = self._loaded()
+        if self.max_cpu_loras is None or len(loaded) < self.max_cpu_loras:
+            return
+        for victim in sorted(loaded, key=lambda n: self._last_used.get(n, 0.0)):
+            try:
+                await self.engine.unload_lora(victim)
+                return
+            except ValueError:  # in use: try the next
+                continue
+        raise ValueError(f"max_cpu_loras={self.max_cpu_loras} adapters are loaded and in use on this replica")
+
+    async def sync(self) -> None:
+        """Unload what the registry dropped; load what it lists while there is room."""
+        epoch, modules = await self.registry.snapshot.remote()
+        if self.epoch is not None and epoch != self.epoch:  # the registry restarted: tell it what we hold
+            epoch = await self.registry.restore.remote(self.epoch, self._loaded())
+            _, modules = await self.registry.snapshot.remote()
+        self.epoch = epoch
+        for name, path in self._loaded().items():
+            if not _same(modules.get(name), path) and name not in self._loading:
+                try:
+                    await self.engine.unload_lora(name)
+                except ValueError:  # in use: the next sync
+                    pass
+        for name, path in modules.items():
+            loaded = self._loaded()
+            if name in loaded or (self.max_cpu_loras is not None and len(loaded) >= self.max_cpu_loras):
+                continue
+            try:
+                await self.load(name, path)
+            except ValueError as exc:
+                log.warning("LoRA adapter %r (%s) could not be loaded here: %s", name, path, exc)

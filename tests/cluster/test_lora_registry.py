@@ -1,0 +1,103 @@
+"""The application's LoRA registry (a real detached Ray actor on the local cluster) and a
+replica's ``ReplicaAdapters`` around a real (emulated, torch-free) engine: sync loads what
+the registry lists and unloads what it dropped (not while in use), a folder spelled
+another way is the same adapter (no reload), a request's adapter loads on first use with
+the least recently used idle one making room, and a restarted registry gets the
+replicas' adapters back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.lora_registry import ReplicaAdapters, get_or_create_lora_registry
+from kvroute.cluster.router_actor import kill_router_actors
+from kvroute.replica.async_engine import AsyncEngine
+from kvroute.replica.engine import Engine
+from kvroute.replica.sampling_params import SamplingParams
+from tests.cluster.conftest import ray, tiny_engine, wait_until
+
+
+def _folder(path, rank=8) -> str:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    return str(path)
+
+
+@pytest.fixture
+def setup(ray_cluster, tiny_llama_path, tmp_path):
+    folders = {n: _folder(tmp_path / n) for n in ("a", "b", "c")}
+    engine_config = tiny_engine(tiny_llama_path, emulate="gpu_h100_llama3_8b", enable_lora=True, max_loras=2,
+                                max_cpu_loras=2, lora_modules={"a": folders["a"] + "/"})  # fmt: skip
+    config = ClusterConfig(engine=engine_config, app_name="kvloras")
+    registry = get_or_create_lora_registry(config)
+    yield config, registry, AsyncEngine(Engine(engine_config)), folders
+    kill_router_actors("kvloras")
+
+
+def test_sync_follows_the_registry_and_keeps_an_adapter_in_use(setup):
+    config, registry, engine, folders = setup
+    adapters = ReplicaAdapters(engine, registry, config.engine.max_cpu_loras)
+
+    async def scenario():
+        first = engine.engine.lora.adapters["a"]
+        assert ray.get(registry.add.remote("b", folders["b"]))
+        await adapters.sync()
+        await adapters.sync()
+        assert engine.lora_names() == ["a", "b"]
+        assert engine.engine.lora.adapters["a"] is first  # "<folder>/" and "<folder>" are one adapter: no reload
+        stream = engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=64), lora_name="b")
+        await stream.__anext__()  # b is in use now
+        assert ray.get(registry.remove.remote("b"))
+        await adapters.sync()
+        assert "b" in engine.lora_names()  # still running: kept until the next sync after it ends
+        await stream.aclose()
+        await adapters.sync()
+        assert engine.lora_names() == ["a"]
+
+    asyncio.run(scenario())
+
+
+def test_first_use_loads_and_evicts_the_least_recently_used_idle_adapter(setup):
+    config, registry, engine, folders = setup
+    adapters = ReplicaAdapters(engine, registry, config.engine.max_cpu_loras)
+    ray.get([registry.add.remote("b", folders["b"]), registry.add.remote("c", folders["c"])])
+
+    async def scenario():
+        await adapters.sync()  # room for two: a (from the config) and b
+        assert engine.lora_names() == ["a", "b"]
+        await adapters.ensure("b")
+        await adapters.ensure("c")  # max_cpu_loras=2: a, used least recently, makes room
+        assert sorted(engine.lora_names()) == ["b", "c"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'zz'"):
+            await adapters.ensure("zz")
+        with pytest.raises(ValueError, match="already loaded"):
+            await adapters.load("b", folders["c"])
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_registry_gets_the_replicas_adapters_back(setup):
+    config, registry, engine, folders = setup
+    adapters = ReplicaAdapters(engine, registry, config.engine.max_cpu_loras)
+    ray.get(registry.add.remote("b", folders["b"]))
+
+    async def scenario():
+        await adapters.sync()
+        ray.kill(registry, no_restart=False)  # it comes back with the config's adapters only
+        wait_until(lambda: _epoch(registry) not in (None, adapters.epoch), 30, "the registry to restart")
+        await adapters.sync()
+        assert engine.lora_names() == ["a", "b"]
+        assert set(ray.get(registry.snapshot.remote())[1]) == {"a", "b"}
+
+    asyncio.run(scenario())
+
+
+def _epoch(registry):
+    try:
+        return ray.get(registry.snapshot.remote(), timeout=2)[0]
+    except ray.exceptions.RayError:
+        return None
