@@ -14,7 +14,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import httpx
 
@@ -36,8 +36,10 @@ def free_ports(n: int) -> list[int]:
 
 @contextmanager
 def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: Path, num_blocks: int = NUM_BLOCKS,
-                max_model_len: int = 384, max_num_seqs: int = 4, served_name: str | None = None) -> Iterator[str]:  # fmt: skip
-    """Start vLLM's OpenAI server; yield its base URL once healthy; stop it (SIGTERM, then KILL)."""
+                max_model_len: int = 384, max_num_seqs: int = 4, served_name: str | None = None,
+                extra_args: Sequence[str] = ()) -> Iterator[str]:  # fmt: skip
+    """Start vLLM's OpenAI server (``extra_args`` appended to its flags); yield its base
+    URL once healthy; stop it (SIGTERM, then KILL)."""
     py = vllm_python()
     assert py is not None, "no vLLM virtualenv"
     # "*": vLLM binds its PUB socket (a host name would make it connect to a subscriber's)
@@ -49,7 +51,8 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
            "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(num_blocks),
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enable-prompt-tokens-details", "--dtype", "float32",
            "--optimization-level", "0",  # no torch.compile: starts in seconds, not minutes
-           "--kv-events-config", json.dumps(events), *(["--served-model-name", served_name] if served_name else [])]  # fmt: skip
+           "--kv-events-config", json.dumps(events), *(["--served-model-name", served_name] if served_name else []),
+           *extra_args]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
     with open(log, "w") as out:
@@ -79,8 +82,9 @@ def vllm_worker(model: Path, port: int, event_port: int, replay_port: int, log: 
                 proc.wait()
 
 
-def complete(url: str, model: Path, token_ids: list[int], cache_salt: str | None = None) -> int:
-    """One greedy one-token completion of ``token_ids``; vLLM's ``cached_tokens`` for it."""
+def complete(url: str, model: Path | str, token_ids: list[int], cache_salt: str | None = None) -> int:
+    """One greedy one-token completion of ``token_ids`` (``model``: the served model, or
+    a LoRA adapter's name); vLLM's ``cached_tokens`` for it."""
     body = {"model": str(model), "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
