@@ -231,7 +231,7 @@ def test_decode_aware_kvroute_spreads_a_hot_prefix():
 
     m, per = hot_replicas()
     unbounded, per_unbounded = hot_replicas(batch_slack_abs=10**6)
-    assert per_unbounded == {"r0": 136} and unbounded["reasons"] == {"cold": 3, "prefix": 157}
+    assert list(per_unbounded.values()) == [136] and unbounded["reasons"] == {"cold": 3, "prefix": 157}
     # the hot prefix spills to other replicas (the batch limit is relative to the mean
     # queue, so once it runs on three the spread is within it); each then serves as an owner
     assert len(per) >= 3 and sum(per.values()) == 136
@@ -265,10 +265,12 @@ def test_fleet_matrix_sim_only_fills_every_cell_without_a_cluster(tmp_path, caps
 def test_routers_that_share_decisions_place_like_one_and_independent_ones_do_not():
     """Four routers taking the arrivals in turn: sharing their decisions at once, they
     keep one router's hit rate; never sharing (how the peers' routers scale), each sends
-    a new group's burst wherever its own view says, and hits fall."""
+    a new group's burst wherever its own view says, and hits fall. (At 200 requests/s
+    even independent routers keep it: ties between idle replicas go by the first block
+    hash, so they agree on where a new group goes.)"""
     from dataclasses import replace
 
-    wl = W.with_poisson_arrivals(W.generated_shared_prefix(8, 8, 256, 16, 8, seed=1), rate=200.0, seed=1)
+    wl = W.with_poisson_arrivals(W.generated_shared_prefix(8, 8, 256, 16, 8, seed=1), rate=1000.0, seed=1)
     one = run("kvroute", wl)
     shared = run("kvroute", wl, replace(CFG, num_routers=4))
     lagged = run("kvroute", wl, replace(CFG, num_routers=4, peer_delay_s=0.002))
