@@ -34,10 +34,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import cProfile
+import gc
 import io
 import json
+import os
 import pstats
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +146,9 @@ def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -
         svc.register(rid, spec, CAPACITY, [], 0, None)
         shadow.add_replica(rid, CAPACITY)
     cands = list(reps)
+    workload = _workload(args)
+    gc.collect()
+    gc.freeze()  # the driver's own objects (the workload): a full collection in a router walks only the router's
     cost: dict[str, list[int]] = {k: [] for k in KINDS}
     peer_decisions = 0
     cpu = time.thread_time_ns
@@ -184,7 +190,7 @@ def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -
             bisect.insort(steps, (at + STEP_S, rid))
             steps.pop(0)
 
-    for i, (t, hashes, tokens) in enumerate(_workload(args)):
+    for i, (t, hashes, tokens) in enumerate(workload):
         step_until(t)
         deliver(t)
         now[0] = t
@@ -246,15 +252,20 @@ def _baseline_tree(ref: str) -> str:
     return str(tmp / "pkg")
 
 
-def _child(args: argparse.Namespace, pythonpath: str | None) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "kvroute.benchmarks.router_cpu", "--child", *_passthrough(args)]
-    env = None
-    if pythonpath:
-        import os
+_BOOT = (  # the baseline's tree first, and not the editable install's finder (it would win)
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
+    "runpy.run_module('kvroute.benchmarks.router_cpu', run_name='__main__')"
+)
 
-        env = {**os.environ, "PYTHONPATH": pythonpath}
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+
+def _child(args: argparse.Namespace, tree: str | None) -> dict[str, Any]:
+    boot = ["-c", _BOOT, tree] if tree else ["-m", "kvroute.benchmarks.router_cpu"]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts (and GC points) in every run
+    out = subprocess.run([sys.executable, *boot, "--child", *_passthrough(args)], check=True, capture_output=True, text=True, env=env)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["code"] = r.pop("code_file")
+    return r
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
@@ -265,16 +276,20 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     base_path = _baseline_tree(args.baseline)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for _ in range(args.rounds):  # alternate, so both sides see the same machine load
-        runs["before"].append(_child(args, base_path))
-        runs["after"].append(_child(args, None))
+    try:
+        for _ in range(args.rounds):  # alternate, so both sides see the same machine load
+            runs["before"].append(_child(args, base_path))
+            runs["after"].append(_child(args, None))
+    finally:
+        shutil.rmtree(Path(base_path).parent)
+    assert runs["before"][0]["code"] != runs["after"][0]["code"], "the baseline ran this checkout's code"
     med = {side: _median(rs) for side, rs in runs.items()}
     lines = [f"| figure | before ({args.baseline}) | after | after/before |", "|---|---|---|---|"]
     for kind in (*KINDS, "per_peer_decision_us", "router_cores"):
         for stat in ("p50_us", "p99_us", "mean_us", "calls_per_s") if kind in KINDS else ("",):
             b, a = (_get(med[s], kind, stat) for s in ("before", "after"))
             if b is not None and a is not None:
-                lines.append(f"| {kind} {stat} | {b:.2f} | {a:.2f} | {a / b if b else float('nan'):.2f} |")
+                lines.append(f"| {kind} {stat} | {b:.4g} | {a:.4g} | {a / b if b else float('nan'):.2f} |")
     return {"before": med["before"], "after": med["after"], "table": "\n".join(lines)}
 
 
@@ -286,7 +301,9 @@ def _get(d: dict, kind: str, stat: str) -> float | None:
 def _median(rs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in rs[0].items():
-        if isinstance(v, dict):
+        if isinstance(v, str):
+            out[k] = v
+        elif isinstance(v, dict):
             out[k] = {s: statistics.median(r[k][s] for r in rs) for s in v}
         else:
             out[k] = statistics.median(r[k] for r in rs)
@@ -308,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(summarize(replay(args), args.seconds)))
+        print(json.dumps({**summarize(replay(args), args.seconds), "code_file": sys.modules[Router.__module__].__file__}))
         return
     from kvroute.benchmarks.common import write_result
 
@@ -322,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         print(profile_top(args))
     parts = [f"{k} p50 {s[k]['p50_us']:.1f} p99 {s[k]['p99_us']:.1f} us x {s[k]['calls_per_s']:.0f}/s" for k in KINDS if k in s]
-    write_result("router_cpu", {"config": vars(args), **s}, "; ".join(parts) + f"; {s['router_cores']:.3f} cores", args.out)
+    write_result("router_cpu", {"config": vars(args), **s}, "; ".join(parts) + f"; {s['router_cores']:.4f} cores", args.out)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ class PendingRuns:
         """Index ``block_hashes[start:]`` (non-empty) as a live run of ``owner``; its
         deadline must not precede any queued run's. Returns the run's length."""
         n = len(block_hashes)
-        tail = list(block_hashes[start:])
+        tail = block_hashes[start:]
+        if not isinstance(tail, list):
+            tail = list(tail)
         run = _Run(owner, tail, start, deadline)
         index = self._index
         keys = run.keys
