@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import PEER_FLUSH_S, RouterService
 from kvroute.replica.block_hash import HashSpec
 from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router import router as router_module
 from kvroute.router.router import Router
 
 STEP_S = 0.025  # one engine step
@@ -138,6 +140,8 @@ def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -
     """Drive one router through the emulated run; CPU ns per call, by kind."""
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
+    # tickets follow the wall clock (``Router.route``): on the virtual one, the replay is exact
+    router_module.time = types.SimpleNamespace(time_ns=lambda: 1_700_000_000_000_000_000 + int(now[0] * 1e9))
     spec = HashSpec(block_size=args.block_size, seed=0, model_id="emulated")
     svc = RouterService(spec, clock=clock, share=lambda batch: None)
     shadow = Router("kvroute", args.block_size, clock=clock)
@@ -207,6 +211,7 @@ def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -
         reps[rid].accept(hashes, tokens, ticket)
     step_until(args.seconds)
     deliver(float("inf"))
+    router_module.time = time
     stats = svc.router.stats()
     return {"cost_ns": cost, "peer_decisions": peer_decisions, "hit_blocks": stats["block_updates"],
             "directory_blocks": stats["directory_blocks"], "decisions_by_reason": stats["decisions_by_reason"]}
@@ -310,6 +315,43 @@ def _median(rs: list[dict]) -> dict[str, Any]:
     return out
 
 
+def ray_call_cpu(calls: int = 2000) -> dict[str, float]:
+    """What the replay leaves out: Ray's own CPU per call, in the callee's process (all
+    its threads) and the caller's, for a no-op actor method taking this replay's
+    messages (a local Ray instance; ``--ray-calls``)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def take(self, message: Any) -> bool:
+            return True
+
+        def cpu(self) -> float:
+            return time.process_time()
+
+    rng = random.Random(0)
+    load = LoadFigures(num_waiting=2, num_running=8, queued_prefill_tokens=4000, kv_usage=0.7, route_ticket=1 << 50)
+    messages = {"push_32_stored_32_removed": (KVEvents("r000", 5, [rng.getrandbits(128) for _ in range(32)],
+                                                       [rng.getrandbits(128) for _ in range(32)], False, load), True),
+                "push_load_only": (KVEvents("r000", 5, [], [], False, load), True),
+                "peer_batch_1_decision_150_blocks": ([("r000", [rng.getrandbits(128) for _ in range(150)], 2400, 1 << 50,
+                                                       time.time(), None)], False)}  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        sink, out = Sink.remote(), {}
+        for name, (message, awaited) in messages.items():
+            c0, s0 = ray.get(sink.cpu.remote()), time.process_time()
+            refs = [sink.take.remote(message) for _ in range(calls)] if not awaited else []
+            for _ in range(calls if awaited else 0):  # a replica's push: one in flight
+                ray.get(sink.take.remote(message))
+            ray.get(refs)
+            c1, s1 = ray.get(sink.cpu.remote()), time.process_time()
+            out[name] = {"callee_us": 1e6 * (c1 - c0) / calls, "caller_us": 1e6 * (s1 - s0) / calls}
+        return out
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replicas", type=int, default=16)
@@ -321,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     ap.add_argument("--baseline", default=None, help="git ref to compare against, side by side")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ray-calls", action="store_true", help="also measure Ray's own CPU per call (starts Ray)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -338,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     s = summarize(replay(args), args.seconds)
     if args.profile:
         print(profile_top(args))
+    if args.ray_calls:
+        s["ray_call_cpu"] = ray_call_cpu()
+        print(json.dumps(s["ray_call_cpu"]))
     parts = [f"{k} p50 {s[k]['p50_us']:.1f} p99 {s[k]['p99_us']:.1f} us x {s[k]['calls_per_s']:.0f}/s" for k in KINDS if k in s]
     write_result("router_cpu", {"config": vars(args), **s}, "; ".join(parts) + f"; {s['router_cores']:.4f} cores", args.out)
 
