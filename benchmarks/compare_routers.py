@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print("  per replica (requests, prompt, cached): " + "; ".join(
                         f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
                         for rid, c in spread.items()), flush=True)  # fmt: skip
+                if fleet.kind == "serve":
+                    run_info["peer_staleness_ms"] = fleet.peer_staleness_ms()
                 if routing_before is not None:
                     after = fleet.router_counters() or {}
                     run_info["routing"] = routing = {k: v - routing_before.get(k, 0.0) for k, v in sorted(after.items())}

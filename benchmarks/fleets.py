@@ -262,6 +262,12 @@ class ServeFleet:
                     out[k] = out.get(k, 0.0) + v
         return out
 
+    def peer_staleness_ms(self) -> dict[str, float]:
+        """The routers' peer staleness now (``kvroute:router_peer_staleness_seconds``:
+        the age of the other routers' decisions on arrival, over each router's latest
+        2,048): the worst router's p50 and p99 in ms; empty with one router."""
+        return peer_staleness_ms(self.base_urls[0])
+
     def kill_router(self) -> str:
         """SIGKILL-like death of the busiest router actor (most decisions so far), not
         restarted: the ingresses that asked it fail over to the others. Its name."""
@@ -391,6 +397,19 @@ def router_counters(base_url: str) -> dict[str, float]:
             else:
                 continue
             out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def peer_staleness_ms(base_url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        if fam.name == "kvroute:router_peer_staleness_seconds":
+            for sample in fam.samples:
+                key = {"0.5": "p50", "0.99": "p99"}[sample.labels["quantile"]]
+                out[key] = max(out.get(key, 0.0), sample.value * 1e3)
     return out
 
 

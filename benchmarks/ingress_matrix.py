@@ -52,7 +52,8 @@ COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("router", "ro
         ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("out tok/s", "out_tok_s", "{:.0f}"),
         ("hit (delivered)", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"),
         ("best", "best_hit_rate", "{:.3f}"), ("pred err", "pred_cached_err", "{:.3f}"), ("CPU cores", "cpu_cores", "{:.2f}"),
-        ("ingress CPU", "ingress_cores", "{:.2f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]  # fmt: skip
+        ("ingress CPU", "ingress_cores", "{:.2f}"), ("router CPU", "router_cores", "{:.2f}"),
+        ("peer lag p50 ms", "peer_lag_p50_ms", "{:.1f}"), ("p99", "peer_lag_p99_ms", "{:.1f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]  # fmt: skip
 TARGET_COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("hit / I=1", "hit_vs_I1", "{:.3f}"),
                ("p90 / I=1", "p90_vs_I1", "{:.2f}"), ("best peer", "best_peer", "{}"), ("p90 / best peer", "p90_vs_best_peer", "{:.2f}"),
                ("tok/s / best peer", "throughput_vs_best_peer", "{:.2f}"), ("sim p90 / I=1", "sim_p90_vs_I1", "{:.2f}"),
@@ -148,6 +149,9 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
         rows.append({**row, "scenario": cell.scenario, "ingresses": ingresses, "load": args.load,
                      "num_routers": run.get("num_routers"), "requests_per_ingress": run["requests_per_ingress"],
                      "ingress_cores": sum(v for k, v in by_kind.items() if k in INGRESS_KINDS),
+                     "router_cores": by_kind.get("RouterActor", 0.0),
+                     "peer_lag_p50_ms": (run.get("peer_staleness_ms") or {}).get("p50"),
+                     "peer_lag_p99_ms": (run.get("peer_staleness_ms") or {}).get("p99"),
                      "cpu_by_kind": by_kind, "run_json": str(out / f"{row['run']}.json")})  # fmt: skip
     return rows
 

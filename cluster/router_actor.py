@@ -79,6 +79,7 @@ class RouterService:
         self.router = Router(self.policy, self.hash_spec.block_size, clock=self.clock, **self.policy_kwargs)
         self._last_seen.clear()
         self._metrics.clear()
+        self._staleness_s.clear()
 
     # ------------------------------------------------------------------ replicas
     def register(

@@ -4,8 +4,8 @@ what the router actors know of them.
 
 One ``WorkerPool`` per application, a detached Ray actor (``kvroute-workers:<app>``)
 that every ingress replica asks for the workers that are up. Every ``poll_interval_s``
-it polls each up worker's ``/metrics`` (vLLM's names, which ``serve-replica`` exports
-too) into ``LoadFigures`` and hands them to every router actor (``report_load``, also
+it polls each up worker's ``/metrics`` into ``LoadFigures`` (``deploy/worker_load.py``:
+vLLM's gauges, and the worker's prefill rate and decode step, measured or estimated) and hands them to every router actor (``report_load``, also
 the worker's sign of life); a worker whose poll fails, or that an ingress reports dead
 (``mark_down``), is removed from every router and probed (``/health``, then
 ``/v1/models``) until it answers again. A worker comes up only if it serves the
@@ -33,13 +33,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.kv_subscriber import KVEventSubscriber
 from kvroute.cluster.messages import ROUTER_NAMESPACE
 from kvroute.cluster.router_actor import get_or_create_router_actors
+from kvroute.deploy.worker_load import WorkerRates, parse_load
 from kvroute.replica.kv_events import LoadFigures
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 TRANSIT_MARGIN_US = 100_000  # a request routed this long before a poll has reached its worker
 UNKNOWN_CAPACITY_BLOCKS = 1 << 20  # a worker that names no KV capacity: never skipped for room
 MODELS_REFRESH_S = 2.0  # how often an up worker's /v1/models is read again (adapters loaded at run time)
-_GAUGES = {"vllm:num_requests_running": "num_running", "vllm:num_requests_waiting": "num_waiting",
-           "vllm:kv_cache_usage_perc": "kv_usage"}  # fmt: skip
 
 
 class WorkerSpec(BaseModel):
@@ -91,29 +89,13 @@ class _Worker:
     last_error: str = ""
     subscriber: Any = None
     counters: dict[str, int] = field(default_factory=lambda: {"downs": 0, "ups": 0, "polls": 0})
+    rates: WorkerRates = field(default_factory=WorkerRates)  # its prefill rate and decode step, where it names none
 
 
 def _adapters(models: list[dict[str, Any]]) -> dict[str, str]:
     """A worker's LoRA adapters from its ``/v1/models``: the entries with a ``parent``
     (vLLM and kvroute list an adapter so, with its path as ``root``)."""
     return {m["id"]: str(m.get("root") or "") for m in models if m.get("parent")}
-
-
-def parse_load(text: str, ticket: int) -> tuple[LoadFigures, dict[str, int]]:
-    """A worker's Prometheus text as ``LoadFigures`` (summed over its label sets), and
-    the integer fields of vLLM's ``cache_config_info`` where it exports it
-    (``num_gpu_blocks``, ``block_size``, …)."""
-    values = {key: 0.0 for key in _GAUGES.values()}
-    cache: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in _GAUGES:
-                values[_GAUGES[sample.name]] += sample.value
-            elif sample.name == "vllm:cache_config_info":
-                cache = {k: int(v) for k, v in sample.labels.items() if v.isdigit()}
-    figures = LoadFigures(num_waiting=int(values["num_waiting"]), num_running=int(values["num_running"]),
-                          kv_usage=min(1.0, values["kv_usage"]), route_ticket=ticket)  # fmt: skip
-    return figures, cache
 
 
 def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> KVEventSubscriber:
@@ -231,7 +213,7 @@ class WorkerPool:
         r = await self._client.get(w.spec.url + "/metrics")
         r.raise_for_status()
         w.counters["polls"] += 1
-        return parse_load(r.text, ticket)
+        return parse_load(r.text, ticket, w.rates)
 
     async def _probe(self, w: _Worker) -> None:
         """Bring ``w`` up if it answers and serves our model (ValueError if it serves
@@ -310,7 +292,8 @@ class WorkerPool:
             "id": w.spec.worker_id, "url": w.spec.url, "state": "up" if w.up else "down", "model": w.model,
             "adapters": sorted(w.adapters), "capacity_blocks": w.capacity or None, "kv_events": w.subscriber is not None, "last_error": w.last_error or None,
             "load": None if w.load is None else {"num_running": w.load.num_running, "num_waiting": w.load.num_waiting,
-                                                 "kv_usage": w.load.kv_usage},
+                                                 "kv_usage": w.load.kv_usage, "prefill_tokens_per_s": w.load.prefill_tokens_per_s,
+                                                 "decode_step_s": w.load.decode_step_s},
             **w.counters,
         }  # fmt: skip
 

@@ -128,11 +128,9 @@ class LoadView:
         if not transit and figures == self._figures[s]:
             return  # the columns hold exactly these figures already (no increment since)
         self._set(s, figures)
-        if transit:
-            seen = figures.route_ticket
-            now = self.clock()
-            while transit and (transit[0][0] <= seen or transit[0][2] <= now):
-                transit.popleft()
+        if transit:  # (not in ticket order: other routers' decisions arrive late)
+            seen, now = figures.route_ticket, self.clock()
+            self._transit[s] = transit = deque(t for t in transit if t[0] > seen and t[2] > now)
             for _, tokens, _, lora in transit:
                 self._bump(s, tokens, lora)
 
@@ -140,6 +138,8 @@ class LoadView:
         """A request routed to ``replica_id`` (with LoRA adapter ``lora_name``); a
         ``ticket`` of 0 (none) is superseded by the next report whatever it counts."""
         s = self._get(replica_id)
+        if ticket and ticket <= self._figures[s].route_ticket:
+            return  # another router's decision that reached us after the report counting it
         self._bump(s, uncached_tokens, lora_name)
         self._transit[s].append((ticket, uncached_tokens, self.clock() + self.ttl_s, lora_name))
 

@@ -38,6 +38,9 @@ def test_clients_spread_over_two_ingresses_with_one_or_two_routers(ray_cluster, 
     runs = {r["router"]: json.loads((out / f"{r['run']}.json").read_text()) for r in combined["rows"]}
     assert sorted(runs) == ["kvroute", "kvroute_1router"]
     assert runs["kvroute"]["num_routers"] == 2 and runs["kvroute_1router"]["num_routers"] == 1
+    # two routers heard each other's decisions (the lag is recorded); one router has no peers
+    lag = runs["kvroute"]["peer_staleness_ms"]
+    assert 0 <= lag["p50"] <= lag["p99"] < 60_000 and runs["kvroute_1router"]["peer_staleness_ms"] == {}
     for run in runs.values():
         assert run["completed"] == n and run["failed"] == 0
         assert len(run["base_urls"]) == 2 and run["base_urls"][1].endswith("/ingressbench-ingress1")

@@ -19,7 +19,8 @@ from ray import serve  # noqa: E402
 
 from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
-from kvroute.deploy.worker_pool import kill_worker_pool, parse_load  # noqa: E402
+from kvroute.deploy.worker_load import parse_load  # noqa: E402
+from kvroute.deploy.worker_pool import kill_worker_pool  # noqa: E402
 from tests.conftest import free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli  # noqa: E402
 
@@ -156,6 +157,9 @@ def test_prefix_sharing_prompts_land_on_the_worker_that_cached_them(fleet):
     metrics = httpx.get(fleet["url"] + "/metrics", timeout=10).text
     assert 'kvroute:router_replicas{model_name="tiny-workers"} 2.0' in metrics
     assert "kvroute:routing_decisions_total" in metrics
+    # the routers price each worker by its engine's measured rates (serve-replica's own gauges)
+    loads = [w["load"] for w in _workers(fleet).values() if w["state"] == "up"]
+    assert any(ld["prefill_tokens_per_s"] > 0 for ld in loads) and all(ld["decode_step_s"] >= 0 for ld in loads), loads
 
 
 def test_admin_routes_add_list_and_remove_workers(fleet):
@@ -217,20 +221,6 @@ def test_a_killed_workers_requests_are_retried_elsewhere_and_it_comes_back(fleet
     wait_until(lambda: _workers(fleet)["victim"]["state"] == "up", 30, "the victim back up")
     wait_until(lambda: all("victim" in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "victim registered")
     assert _admin(fleet, "DELETE", "/victim").status_code == 200
-
-
-def test_a_vllm_metrics_page_becomes_load_figures():
-    # vLLM 0.32's names and label sets (v1/metrics/loggers.py), one engine
-    text = (
-        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256"} 1.0\n'
-        'vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0\n'
-        'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 1.0\n'
-        'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25\n'
-    )
-    figures, cache = parse_load(text, 1234)
-    assert (figures.num_running, figures.num_waiting, figures.kv_usage, figures.route_ticket) == (3, 1, 0.25, 1234)
-    assert cache["num_gpu_blocks"] == 2048 and cache["block_size"] == 16
-    assert parse_load("", 0) == (parse_load("", 0)[0], {}) and parse_load("", 0)[0].num_running == 0
 
 
 def test_a_worker_with_kv_events_feeds_the_directory_exactly(fleet):

@@ -147,6 +147,27 @@ def test_load_view_increments_superseded_by_the_reports_that_count_them():
     assert r.load("r1") == r.load("r1").__class__(capacity_blocks=1000)
 
 
+def test_other_routers_late_decisions_are_not_counted_twice():
+    """Peers' decisions (``note_routed``) arrive late and out of ticket order: one the
+    replica's last report already counts adds nothing, and a report drops every
+    increment it counts, wherever it sits in the queue of increments."""
+    r, clock = cluster(2, First())
+    h, n = prompt(0, 4, 0)
+    fig = dict(num_waiting=1, queued_prefill_tokens=50, prefill_tokens_per_s=5000.0, decode_step_s=0.01)
+    own = r.route(h, n)  # our decision, ticket t
+    peer_old = own.ticket - 10  # a peer decided before us; its note reaches us only now
+    assert r.note_routed("r0", h, n, peer_old)
+    assert r.load("r0").in_flight == 2
+    # the replica's report counts the peer's request but not ours: only ours stays on top
+    assert r.apply(KVEvents("r0", 1, load=LoadFigures(**fig, route_ticket=peer_old)))
+    assert (r.load("r0").in_flight, r.load("r0").queued_prefill_tokens) == (1, 50 + n)
+    # another peer's decision that this report already counts arrives after it: nothing added
+    assert r.note_routed("r0", h, n, peer_old - 1)
+    assert r.load("r0").in_flight == 1
+    assert r.apply(KVEvents("r0", 2, load=LoadFigures(**fig, route_ticket=own.ticket)))
+    assert r.load("r0").in_flight == 0
+
+
 def test_load_view_increment_expires_when_no_report_counts_it():
     r, clock = cluster(2, First())
     h, n = prompt(0, 2, 0)
