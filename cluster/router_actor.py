@@ -9,8 +9,8 @@ heartbeat and re-registers when the router does not know it).
 Replicas ``register`` (with their HashSpec: a mismatch is refused) and then ``push``
 coalesced KV events to every router; a Serve request router calls ``rank`` on one
 router per request. Each router hands its decisions to the others (``share``: batched,
-with its next call at least ``PEER_FLUSH_S`` after the last batch, and by a flusher
-thread every ``PEER_FLUSH_S`` otherwise), which apply them
+with its next call at least ``PEER_FLUSH_S`` after the last batch, and otherwise by a
+flusher thread ``PEER_FLUSH_S`` after a decision was queued), which apply them
 as their own (``note_peer_decisions``: pending blocks and load increments under the
 decision's ticket), so N routers place like one; ``stats()["peer_staleness_ms"]`` is
 how old a peer's decision was when it arrived.
@@ -66,6 +66,7 @@ class RouterService:
         self._share = share
         self._share_lock = threading.Lock()
         self._outbox: list[PeerDecision] = []
+        self._queued = threading.Event()  # set when a decision waits in the outbox (wakes the flusher)
         self._last_share = 0.0
         self._staleness_s: deque[float] = deque(maxlen=2048)  # age of the peers' decisions on arrival
 
@@ -152,8 +153,7 @@ class RouterService:
         candidates (not registered yet, e.g. a replica that just started) go last, in
         random order."""
         self._expire_silent()
-        known = [c for c in candidates if c in self.router.directory]
-        unknown = [c for c in candidates if c not in self.router.directory]
+        known, unknown = self.router.directory.known(candidates)
         random.shuffle(unknown)
         if not known:
             self.counters["unregistered_routes"] += 1
@@ -162,7 +162,9 @@ class RouterService:
         if self._share is not None:
             self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
             self._flush_peers()
-        rest = sorted((c for c in known if c != decision.replica_id), key=lambda c: self.router.load(c).queue_len)
+            if self._outbox:
+                self._queued.set()
+        rest = self.router.fallbacks(known, decision.replica_id)
         return Ranking(
             [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket,
             decision.available_tokens,
@@ -179,12 +181,15 @@ class RouterService:
                 self._share(batch)  # type: ignore[misc]
 
     def start_flusher(self, period_s: float = PEER_FLUSH_S) -> None:
-        """Send buffered decisions every ``period_s`` from a daemon thread too, so the
-        last ones before a lull do not wait for this router's next call."""
+        """Send buffered decisions ``period_s`` after they were queued from a daemon
+        thread too, so the last ones before a lull do not wait for this router's next
+        call. The thread sleeps while the outbox is empty (no wake-ups when idle)."""
 
         def loop() -> None:
             while True:
+                self._queued.wait()
                 time.sleep(period_s)
+                self._queued.clear()
                 self._flush_peers(force=True)
 
         threading.Thread(target=loop, name="kvroute-peer-flush", daemon=True).start()

@@ -37,6 +37,7 @@ block held by several replicas pays the owner slot and key once.
 from __future__ import annotations
 
 import time
+from itertools import filterfalse
 from typing import Any, Callable, Iterable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
@@ -46,7 +47,7 @@ from kvroute.router.types import ReplicaId
 
 
 class _Replica:
-    __slots__ = ("rid", "bit", "confirmed", "pending", "host")
+    __slots__ = ("rid", "bit", "confirmed", "pending", "host", "alone")
 
     def __init__(self, rid: ReplicaId, bit: int, confirmed: Confirmed, host: Confirmed | None) -> None:
         self.rid = rid
@@ -54,6 +55,7 @@ class _Replica:
         self.confirmed = confirmed
         self.pending = RunSet(confirmed.mask)
         self.host = host  # its host tier's confirmed entries (None: no host tier)
+        self.alone: Selection = Selection([self])  # this replica as a candidate list (``depth_on``)
 
     @property
     def room(self) -> int:
@@ -122,6 +124,11 @@ class BlockDirectory:
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._replicas
+
+    def known(self, replica_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """``replica_ids`` split into those in the directory and the others (order kept)."""
+        ids = replica_ids if isinstance(replica_ids, (list, tuple)) else list(replica_ids)
+        return list(filter(self._replicas.__contains__, ids)), list(filterfalse(self._replicas.__contains__, ids))
 
     def bit_of(self, replica_id: str) -> int:
         return self._get(replica_id).bit
@@ -206,6 +213,10 @@ class BlockDirectory:
         """Leading blocks of ``block_hashes`` each candidate holds (confirmed or pending)."""
         cands = candidates if isinstance(candidates, (list, tuple)) else list(candidates)
         return dict(zip(cands, self.match_depths(block_hashes, self.select(cands), now)))  # type: ignore[arg-type]
+
+    def depth_on(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """``match`` for one replica (a peer's decision): its leading blocks held."""
+        return self.match_depths(block_hashes, self._get(replica_id).alone)[0]
 
     def match_depths(self, block_hashes: Sequence[BlockHash], selection: Selection, now: float | None = None) -> list[int]:
         """``match`` as a list in the selection's order (the request path's form)."""

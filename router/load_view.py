@@ -119,11 +119,15 @@ class LoadView:
     def report(self, replica_id: str, figures: LoadFigures) -> None:
         """A report from the replica: take its figures, drop the increments of the
         requests it counts (tickets up to ``figures.route_ticket``) and of those past
-        their deadline, and keep the rest on top."""
+        their deadline, and keep the rest on top. The same figures again with no
+        increment on top (a heartbeat, an event batch of an idle replica) cost one
+        comparison."""
         s = self._get(replica_id)
-        self._set(s, figures)
         self._reports[s] += 1
         transit = self._transit[s]
+        if not transit and figures == self._figures[s]:
+            return  # the columns hold exactly these figures already (no increment since)
+        self._set(s, figures)
         if transit:  # (not in ticket order: other routers' decisions arrive late)
             seen, now = figures.route_ticket, self.clock()
             self._transit[s] = transit = deque(t for t in transit if t[0] > seen and t[2] > now)

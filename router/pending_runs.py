@@ -42,7 +42,10 @@ class RunSet:
 
 class _Run:
     """One routed request's blocks past what its replica held: ``hashes`` are the
-    request's blocks from position ``start`` on; ``keys`` the index entries it owns."""
+    request's blocks from position ``start`` on; ``keys`` the index entries it owns, as
+    (hash, offset) pairs: no reference back to the run, so a dropped run is freed at
+    once by its reference count, not left to the cyclic GC (which walked every live
+    run's entries again at each full collection)."""
 
     __slots__ = ("owner", "hashes", "start", "deadline", "keys", "live")
 
@@ -51,7 +54,7 @@ class _Run:
         self.hashes = hashes
         self.start = start
         self.deadline = deadline
-        self.keys: list[tuple[int, tuple[_Run, int]]] = []
+        self.keys: list[tuple[int, int]] = []
         self.live = True
 
 
@@ -86,7 +89,9 @@ class PendingRuns:
         """Index ``block_hashes[start:]`` (non-empty) as a live run of ``owner``; its
         deadline must not precede any queued run's. Returns the run's length."""
         n = len(block_hashes)
-        tail = list(block_hashes[start:])
+        tail = block_hashes[start:]
+        if not isinstance(tail, list):
+            tail = list(tail)
         run = _Run(owner, tail, start, deadline)
         index = self._index
         keys = run.keys
@@ -102,7 +107,7 @@ class PendingRuns:
                 index[h] = [entry]
             else:
                 lst.append(entry)
-            keys.append((h, entry))
+            keys.append((h, pos - start))
         owner.ends.setdefault(tail[-1], []).append(run)
         owner.runs[run] = None
         owner.blocks += len(tail)
@@ -140,12 +145,12 @@ class PendingRuns:
             return
         run.live = False
         index = self._index
-        for h, entry in run.keys:
+        for h, off in run.keys:
             lst = index[h]
             if len(lst) == 1:
                 del index[h]
             else:
-                lst.remove(entry)
+                lst.remove((run, off))  # the run's own entry: equal by identity of the run
         owner = run.owner
         last = run.hashes[-1]
         ends = owner.ends[last]

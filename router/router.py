@@ -206,7 +206,7 @@ class Router:
         False: unknown replica."""
         if replica_id not in self.directory:
             return False
-        held = self.directory.match(block_hashes, [replica_id]).get(ReplicaId(replica_id), 0)
+        held = self.directory.depth_on(replica_id, block_hashes)
         if held < len(block_hashes):
             self.directory.add_pending(replica_id, block_hashes, start=held)
         self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket, lora_name)
@@ -261,6 +261,15 @@ class Router:
 
     def load(self, replica_id: str) -> ReplicaLoad:
         return self.loads.load(replica_id)
+
+    def fallbacks(self, candidates: Sequence[str], chosen: str) -> list[ReplicaId]:
+        """``candidates`` but ``chosen`` by ``load(r).queue_len``, shortest first
+        (stable): one C-level sort of the candidate set's queue-length column, no
+        ``ReplicaLoad`` built."""
+        cs = self._candidate_set(candidates)
+        ids, column = cs.ids, self.loads.queue_len
+        queue_len = column if cs.loads is None else cs.loads(column)
+        return [ids[i] for i in sorted(range(len(ids)), key=queue_len.__getitem__) if ids[i] != chosen]
 
     def cache_fill(self, replica_id: str) -> float:
         return self.directory.cache_fill(replica_id)

@@ -147,3 +147,6 @@ def test_the_flusher_sends_the_last_decisions_before_a_lull():
     while b.router.stats()["peer_decisions"] == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert b.router.stats()["peer_decisions"] == 1 and b.router.load("r0").in_flight == 1
+    while a._queued.is_set() and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.005)
+    assert not a._queued.is_set()  # noqa: SLF001  (the thread now sleeps until the next decision)

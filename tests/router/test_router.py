@@ -188,6 +188,42 @@ def test_load_view_increment_expires_when_no_report_counts_it():
     assert restarted.route(h, n).ticket > d.ticket
 
 
+def test_a_repeated_report_changes_nothing_and_increments_still_follow_reports():
+    """The same figures again with no increment on top are skipped (one comparison); with
+    an increment on top they still drop what they count and keep the rest."""
+    r, clock = cluster(2, First())
+    h, n = prompt(0, 2, 0)
+    fig = LoadFigures(num_waiting=1, num_running=2, queued_prefill_tokens=40, kv_usage=0.5, decode_step_s=0.01)
+    assert r.apply(KVEvents("r0", 1, load=fig))
+    before = r.load("r0")
+    assert r.apply(KVEvents("r0", 2, load=LoadFigures(**{k: getattr(fig, k) for k in fig.__dataclass_fields__})))
+    assert r.load("r0") == before and r.loads.has_report("r0")
+    d = r.route(h, n)
+    assert r.apply(KVEvents("r0", 3, load=fig))  # equal figures, but an increment on top: kept (ticket not counted)
+    assert r.load("r0").in_flight == 1 and r.load("r0").queued_prefill_tokens == 40 + n
+    counted = LoadFigures(**{**{k: getattr(fig, k) for k in fig.__dataclass_fields__}, "route_ticket": d.ticket})
+    assert r.apply(KVEvents("r0", 4, load=counted))
+    assert r.apply(KVEvents("r0", 5, load=counted))
+    assert r.load("r0").in_flight == 0 and r.load("r0").queued_prefill_tokens == 40
+
+
+def test_fallbacks_follow_queue_length_like_the_loads_say():
+    """``fallbacks``: the candidates but the chosen one, shortest queue first, ties in
+    candidate order, for any candidate list (a subset, reordered, with a repeat)."""
+    r, clock = cluster(5, First())
+    for i, waiting in enumerate((3, 0, 2, 0, 1)):
+        assert r.apply(KVEvents(f"r{i}", 1, load=LoadFigures(num_waiting=waiting)))
+    h, n = prompt(1, 1, 0)
+    r.route(h, n, ["r1", "r2"])  # one in flight on r1
+    for cands in (None, ["r4", "r3", "r1", "r0"], ["r2", "r2", "r0", "r3"], ["r3"]):
+        ids = cands or r.replicas()
+        for chosen in ids:
+            expected = sorted((c for c in ids if c != chosen), key=lambda c: r.load(c).queue_len)
+            assert r.fallbacks(ids, chosen) == expected
+    assert r.fallbacks(r.replicas(), "r0") == ["r3", "r1", "r4", "r2"]
+    assert r.directory.known(["r9", "r1", "x", "r0"]) == (["r1", "r0"], ["r9", "x"])
+
+
 def test_apply_gap_takes_load_and_snapshot_recovers():
     r, _ = cluster(2)
     h, n = prompt(0, 4, 0)

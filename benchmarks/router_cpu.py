@@ -1,0 +1,406 @@
+"""One router actor's CPU, replayed without Ray (issue 30): where it goes, per call kind.
+
+    python -m kvroute.benchmarks.router_cpu [--replicas 16] [--routers 8] [--block-size 16]
+        [--seconds 20] [--rate 150] [--profile] [--baseline REF] [--rounds 3] [--out PATH]
+
+A deterministic replay of what ONE of ``--routers`` router actors receives on a
+``--replicas`` emulated run, driven straight into its ``RouterService`` (the actor's
+class, called the way Ray calls it, on a virtual clock):
+
+- every replica's pushes, built by its ``EventPublisher`` as ``_RouterLink`` does, one per
+  25 ms engine step that changed something: an *event batch* when the step stored or
+  evicted blocks (prefill chunks of 512 tokens complete blocks; a 4096-block cache per
+  replica evicts its least recent chain tails under pressure), a *load report* when only
+  the load figures changed (decode steps), a heartbeat after a quiet second;
+- its own decisions: ``rank`` for every ``--routers``-th request (Poisson arrivals at
+  ``--rate``/s for 16 replicas, scaled with ``--replicas``; prompts of 1-4k tokens: a
+  prefix of one of 400 Zipf(1.1)-popular groups plus a unique suffix; 100 output tokens);
+- the other routers' decisions (made by a shadow ``Router`` fed the same events), in
+  batches per peer per ``PEER_FLUSH_S`` window: ``note_peer_decisions``.
+
+Each call is timed with ``time.thread_time_ns`` (CPU, not wall: the box is shared) and
+reported as µs per event batch, per load report, per peer batch (and per peer decision),
+per decision (p50/p99), with the call counts per emulated second and the router's CPU
+share (cores) they add up to. ``--profile`` adds cProfile's top functions (calls,
+tottime, cumtime). ``--baseline REF`` runs the same replay of git ``REF``'s code
+(``git archive`` into a temp dir) in alternating subprocesses, ``--rounds`` each, and
+prints before/after with the ratios (medians over rounds): both sides in one run.
+``--ray-calls`` adds what the replay leaves out: Ray's own CPU per actor call.
+
+Measured (issue 30; 2-core shared box, CPU time, medians of 5 alternating rounds, 3 at
+256 replicas; ``--baseline main`` before the router-CPU commits, block size 16):
+
+    python -m kvroute.benchmarks.router_cpu --baseline main --rounds 5 --seconds 10
+    python -m kvroute.benchmarks.router_cpu --baseline main --rounds 3 --seconds 3 --replicas 256
+
+| one of 8 routers, µs p50 / p99     | 16 replicas: before | after       | 256 replicas: before | after     |
+|------------------------------------|---------------------|-------------|----------------------|-----------|
+| event batch (320/s; 4258/s)        | 22.8 / 134          | 22.2 / 117  | 27.6 / 107           | 25.6 / 99 |
+| load report (58/s; 554/s)          | 4.0 / 25            | 4.3 / 23    | 5.8 / 26             | 5.4 / 27  |
+| peer batch (126/s; 1880/s)         | 19.5 / 119          | 16.2 / 71   | 30.0 / 270           | 23.5 / 162|
+| decision (18/s; 293/s)             | 120 / 285           | 74 / 163    | 546 / 1047           | 303 / 682 |
+| the router's code, cores           | 0.0154              | 0.0131      | 0.390                | 0.288     |
+
+Block size 32 at 16 replicas: decision p50 104 -> 62 µs, cores 0.0098 -> 0.0083. Ray's
+own CPU per call on the same box (``--ray-calls``, callee process / caller): a push of
+32 + 32 blocks 557 / 504 µs, a load-only push 442 / 440 µs, a one-decision peer batch
+269 / 248 µs: 10-20x the router's own work per call, so the calls a router receives
+(here ~520/s each at 16 replicas) and not its code set its CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+from kvroute.cluster.publisher import EventPublisher
+from kvroute.cluster.router_actor import PEER_FLUSH_S, RouterService
+from kvroute.replica.block_hash import HashSpec
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router import router as router_module
+from kvroute.router.router import Router
+
+STEP_S = 0.025  # one engine step
+PREFILL_TOKENS = 512  # prefill tokens per step (about 20k tokens/s)
+OUTPUT_STEPS = 100
+CAPACITY = 4096  # KV blocks per replica
+GROUPS = 400
+KINDS = ("event_batch", "load_report", "peer_batch", "decision")
+
+
+class _Replica:
+    """An emulated engine: a FIFO queue, chunked prefill, an LRU prefix cache whose chain
+    tails go first (prefix closure), and the load figures it would report."""
+
+    def __init__(self, rid: str, block_size: int) -> None:
+        self.rid, self.bs = rid, block_size
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.queue: deque[list] = deque()  # [hashes, tokens, done tokens]
+        self.running: list[list[int]] = []  # [steps left, blocks]
+        self.ticket = 0
+        self.publisher = EventPublisher(rid)
+        self.quiet_since = 0.0
+
+    def accept(self, hashes: list[int], tokens: int, ticket: int) -> None:
+        self.ticket = max(self.ticket, ticket)
+        held = 0
+        while held < len(hashes) and hashes[held] in self.cache:
+            held += 1
+        self.queue.append([hashes, tokens, min(held * self.bs, tokens - 1)])
+
+    def step(self) -> KVEvents:
+        stored: dict[int, None] = {}
+        budget = PREFILL_TOKENS
+        while self.queue and budget > 0:
+            req = self.queue[0]
+            hashes, tokens, done = req
+            take = min(budget, tokens - done)
+            budget -= take
+            req[2] = done + take
+            for h in reversed(hashes[: req[2] // self.bs]):  # touch the prefix, head most recent
+                if h not in self.cache:
+                    stored[h] = None
+                self.cache[h] = None
+                self.cache.move_to_end(h)
+            if req[2] >= tokens:
+                self.queue.popleft()
+                self.running.append([OUTPUT_STEPS, len(hashes) + 1])
+        removed = []
+        while len(self.cache) > CAPACITY:
+            h, _ = self.cache.popitem(last=False)
+            if h in stored:
+                del stored[h]
+            else:
+                removed.append(h)
+        for r in self.running:
+            r[0] -= 1
+        self.running = [r for r in self.running if r[0] > 0]
+        queued = sum(t - d for _, t, d in self.queue)
+        load = LoadFigures(num_waiting=len(self.queue), num_running=len(self.running), queued_prefill_tokens=queued,
+                           queued_prefill_s=queued / 20_000, kv_usage=min(1.0, sum(b for _, b in self.running) / CAPACITY),
+                           prefill_tokens_per_s=20_000.0, decode_step_s=STEP_S, route_ticket=self.ticket)  # fmt: skip
+        return KVEvents(self.rid, 0, list(stored), removed, False, load)
+
+
+def _workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    weights = [1 / (g + 1) ** 1.1 for g in range(GROUPS)]
+    prefixes = [[rng.getrandbits(128) for _ in range(rng.randint(512, 3072) // bs)] for _ in range(GROUPS)]
+    rate = args.rate * args.replicas / 16
+    t, out = 0.0, []
+    while t < args.seconds:
+        t += rng.expovariate(rate)
+        prefix = prefixes[rng.choices(range(GROUPS), weights)[0]]
+        tokens = max(1024, min(4096, len(prefix) * bs + rng.randint(64, 1024)))
+        n = tokens // bs
+        out.append((t, prefix[:n] + [rng.getrandbits(128) for _ in range(n - min(n, len(prefix)))], tokens))
+    return out
+
+
+def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Drive one router through the emulated run; CPU ns per call, by kind."""
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    # tickets follow the wall clock (``Router.route``): on the virtual one, the replay is exact
+    router_module.time = types.SimpleNamespace(time_ns=lambda: 1_700_000_000_000_000_000 + int(now[0] * 1e9))
+    spec = HashSpec(block_size=args.block_size, seed=0, model_id="emulated")
+    svc = RouterService(spec, clock=clock, share=lambda batch: None)
+    shadow = Router("kvroute", args.block_size, clock=clock)
+    reps = {f"r{i:03d}": _Replica(f"r{i:03d}", args.block_size) for i in range(args.replicas)}
+    for rid in reps:
+        svc.register(rid, spec, CAPACITY, [], 0, None)
+        shadow.add_replica(rid, CAPACITY)
+    cands = list(reps)
+    workload = _workload(args)
+    gc.collect()
+    gc.freeze()  # the driver's own objects (the workload): a full collection in a router walks only the router's
+    cost: dict[str, list[int]] = {k: [] for k in KINDS}
+    peer_decisions = 0
+    cpu = time.thread_time_ns
+    outbox: dict[int, list] = {}  # peer -> (window end, decisions)
+    steps = [(i * STEP_S / args.replicas, rid) for i, rid in enumerate(reps)]
+
+    def timed(kind: str, fn: Any, *a: Any) -> Any:
+        if profiler is not None:
+            profiler.enable()
+        c = cpu()
+        out = fn(*a)
+        cost[kind].append(cpu() - c)
+        if profiler is not None:
+            profiler.disable()
+        return out
+
+    def deliver(upto: float) -> None:
+        nonlocal peer_decisions
+        for peer, (end, batch) in sorted(outbox.items(), key=lambda kv: kv[1][0]):
+            if end <= upto:
+                now[0] = end
+                del outbox[peer]
+                timed("peer_batch", svc.note_peer_decisions, batch)
+                peer_decisions += len(batch)
+
+    def step_until(t: float) -> None:
+        while steps[0][0] <= t:
+            at, rid = steps[0]
+            deliver(at)
+            now[0] = at
+            rep = reps[rid]
+            events = rep.step()
+            shadow.apply(KVEvents(rid, shadow.directory.last_seq(rid) + 1, events.stored, events.removed, False, events.load))
+            rep.publisher.add(events)
+            if rep.publisher.has_changes or at - rep.quiet_since >= 1.0:
+                rep.quiet_since = at
+                batch = rep.publisher.take()
+                timed("event_batch" if batch.stored or batch.removed else "load_report", svc.push, batch)
+            bisect.insort(steps, (at + STEP_S, rid))
+            steps.pop(0)
+
+    for i, (t, hashes, tokens) in enumerate(workload):
+        step_until(t)
+        deliver(t)
+        now[0] = t
+        peer = i % args.routers
+        if peer == 0:
+            ranking = timed("decision", svc.rank, hashes, tokens, cands)
+            rid, ticket = ranking.replica_ids[0], ranking.ticket
+            shadow.note_routed(rid, hashes, tokens, ticket)
+        else:
+            d = shadow.route(hashes, tokens)
+            rid, ticket = d.replica_id, d.ticket
+            end, batch = outbox.setdefault(peer, (t + PEER_FLUSH_S, []))
+            batch.append((rid, list(hashes), tokens, ticket, time.time(), None))
+        reps[rid].accept(hashes, tokens, ticket)
+    step_until(args.seconds)
+    deliver(float("inf"))
+    router_module.time = time
+    stats = svc.router.stats()
+    return {"cost_ns": cost, "peer_decisions": peer_decisions, "hit_blocks": stats["block_updates"],
+            "directory_blocks": stats["directory_blocks"], "decisions_by_reason": stats["decisions_by_reason"]}
+
+
+def summarize(r: dict[str, Any], seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    total = 0
+    for kind, xs in r["cost_ns"].items():
+        xs = sorted(xs)
+        if not xs:
+            continue
+        total += sum(xs)
+        out[kind] = {"calls_per_s": len(xs) / seconds, "p50_us": xs[len(xs) // 2] / 1e3,
+                     "p99_us": xs[min(len(xs) - 1, int(0.99 * len(xs)))] / 1e3, "mean_us": sum(xs) / len(xs) / 1e3,
+                     "cores": sum(xs) / 1e9 / seconds}  # fmt: skip
+    if r["peer_decisions"]:
+        out["per_peer_decision_us"] = sum(r["cost_ns"]["peer_batch"]) / r["peer_decisions"] / 1e3
+    out["router_cores"] = total / 1e9 / seconds
+    return out
+
+
+def profile_top(args: argparse.Namespace, n: int = 25) -> str:
+    prof = cProfile.Profile()
+    replay(args, prof)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(n)
+    return buf.getvalue()
+
+
+def _baseline_tree(ref: str) -> str:
+    """``ref``'s code as an importable ``kvroute`` package (this checkout's layout)."""
+    repo = Path(__file__).resolve().parents[1]
+    tmp = Path(tempfile.mkdtemp(prefix="kvroute-base-"))
+    subprocess.run(f"git -C {repo} archive {ref} | tar -x -C {tmp}", shell=True, check=True)
+    pkg = tmp / "pkg" / "kvroute"
+    (tmp / "kvroute").rename(tmp / "kvroute_top")
+    pkg.parent.mkdir()
+    (tmp / "kvroute_top").rename(pkg)
+    for sub in ("replica", "router", "cluster", "benchmarks", "kernels", "deploy"):
+        (tmp / sub).rename(pkg / sub)
+    (pkg / "benchmarks" / "router_cpu.py").write_text(Path(__file__).read_text())  # the same driver
+    return str(tmp / "pkg")
+
+
+_BOOT = (  # the baseline's tree first, and not the editable install's finder (it would win)
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
+    "runpy.run_module('kvroute.benchmarks.router_cpu', run_name='__main__')"
+)
+
+
+def _child(args: argparse.Namespace, tree: str | None) -> dict[str, Any]:
+    boot = ["-c", _BOOT, tree] if tree else ["-m", "kvroute.benchmarks.router_cpu"]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts (and GC points) in every run
+    out = subprocess.run([sys.executable, *boot, "--child", *_passthrough(args)], check=True, capture_output=True, text=True, env=env)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["code"] = r.pop("code_file")
+    return r
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    return [f"--replicas={args.replicas}", f"--routers={args.routers}", f"--block-size={args.block_size}",
+            f"--seconds={args.seconds}", f"--rate={args.rate}", f"--seed={args.seed}"]  # fmt: skip
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    base_path = _baseline_tree(args.baseline)
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    try:
+        for _ in range(args.rounds):  # alternate, so both sides see the same machine load
+            runs["before"].append(_child(args, base_path))
+            runs["after"].append(_child(args, None))
+    finally:
+        shutil.rmtree(Path(base_path).parent)
+    assert runs["before"][0]["code"] != runs["after"][0]["code"], "the baseline ran this checkout's code"
+    med = {side: _median(rs) for side, rs in runs.items()}
+    lines = [f"| figure | before ({args.baseline}) | after | after/before |", "|---|---|---|---|"]
+    for kind in (*KINDS, "per_peer_decision_us", "router_cores"):
+        for stat in ("p50_us", "p99_us", "mean_us", "calls_per_s") if kind in KINDS else ("",):
+            b, a = (med[s].get(kind, {}).get(stat) if stat else med[s].get(kind) for s in ("before", "after"))
+            if b is not None and a is not None:
+                lines.append(f"| {kind} {stat} | {b:.4g} | {a:.4g} | {a / b if b else float('nan'):.2f} |")
+    return {"before": med["before"], "after": med["after"], "table": "\n".join(lines)}
+
+
+def _median(rs: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in rs[0].items():
+        if isinstance(v, str):
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = {s: statistics.median(r[k][s] for r in rs) for s in v}
+        else:
+            out[k] = statistics.median(r[k] for r in rs)
+    return out
+
+
+def ray_call_cpu(calls: int = 2000) -> dict[str, float]:
+    """What the replay leaves out: Ray's own CPU per call, in the callee's process (all
+    its threads) and the caller's, for a no-op actor method taking this replay's
+    messages (a local Ray instance; ``--ray-calls``)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def take(self, message: Any) -> bool:
+            return True
+
+        def cpu(self) -> float:
+            return time.process_time()
+
+    rng = random.Random(0)
+    load = LoadFigures(num_waiting=2, num_running=8, queued_prefill_tokens=4000, kv_usage=0.7, route_ticket=1 << 50)
+    messages = {"push_32_stored_32_removed": (KVEvents("r000", 5, [rng.getrandbits(128) for _ in range(32)],
+                                                       [rng.getrandbits(128) for _ in range(32)], False, load), True),
+                "push_load_only": (KVEvents("r000", 5, [], [], False, load), True),
+                "peer_batch_1_decision_150_blocks": ([("r000", [rng.getrandbits(128) for _ in range(150)], 2400, 1 << 50,
+                                                       time.time(), None)], False)}  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        sink, out = Sink.remote(), {}
+        for name, (message, awaited) in messages.items():
+            c0, s0 = ray.get(sink.cpu.remote()), time.process_time()
+            refs = [sink.take.remote(message) for _ in range(calls)] if not awaited else []
+            for _ in range(calls if awaited else 0):  # a replica's push: one in flight
+                ray.get(sink.take.remote(message))
+            ray.get(refs)
+            c1, s1 = ray.get(sink.cpu.remote()), time.process_time()
+            out[name] = {"callee_us": 1e6 * (c1 - c0) / calls, "caller_us": 1e6 * (s1 - s0) / calls}
+        return out
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--routers", type=int, default=8, help="router actors sharing the decisions")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=20.0, help="emulated seconds")
+    ap.add_argument("--rate", type=float, default=150.0, help="requests/s for 16 replicas (scaled with --replicas)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    ap.add_argument("--baseline", default=None, help="git ref to compare against, side by side")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ray-calls", action="store_true", help="also measure Ray's own CPU per call (starts Ray)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps({**summarize(replay(args), args.seconds), "code_file": sys.modules[Router.__module__].__file__}))
+        return
+    from kvroute.benchmarks.common import write_result
+
+    if args.baseline:
+        r = compare(args)
+        print(r["table"])
+        write_result("router_cpu", {"config": vars(args), **r}, f"router cores after/before "
+                     f"{r['after']['router_cores'] / r['before']['router_cores']:.2f}", args.out)  # fmt: skip
+        return
+    s = summarize(replay(args), args.seconds)
+    if args.profile:
+        print(profile_top(args))
+    if args.ray_calls:
+        s["ray_call_cpu"] = ray_call_cpu()
+        print(json.dumps(s["ray_call_cpu"]))
+    parts = [f"{k} p50 {s[k]['p50_us']:.1f} p99 {s[k]['p99_us']:.1f} us x {s[k]['calls_per_s']:.0f}/s" for k in KINDS if k in s]
+    write_result("router_cpu", {"config": vars(args), **s}, "; ".join(parts) + f"; {s['router_cores']:.4f} cores", args.out)
+
+
+if __name__ == "__main__":
+    main()
