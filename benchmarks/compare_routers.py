@@ -10,8 +10,8 @@ How one fleet serves every router: the engine deployment gets a pinned Serve
 application with another ``request_router_config`` / ``router_policy`` only
 reconfigures the running replicas (Serve's ``NeedsActorReconfigure`` update); the
 HTTP ingress, which holds the handle whose request router routes, is replaced and so
-builds the new router. Before every run each replica's prefix cache is reset
-(``EngineReplica.reset_prefix_cache``, addressed through a control handle built while
+builds the new router. Before every run each replica's prefix cache is reset, and its
+LoRA adapter slots emptied (``EngineReplica.reset_prefix_cache``, addressed through a control handle built while
 kvroute's request router was active), the router actor's directory is emptied and
 Ray's prefix-tree actor is killed, so every router starts cold. The JSON records the
 replica ids seen in every run: they must be the same set.
