@@ -2,7 +2,8 @@
 requests through Serve's HTTP proxy with the official ``openai`` client and httpx, tiny
 random PEFT adapters the tests save. ``model`` selects an adapter on every replica (its
 output equals the offline engine's with that adapter), /v1/models lists them, load and
-unload reach every replica (one started later too), serve.yaml's ``lora_config`` loads
+unload reach every replica (one started later too), a restarted registry keeps an
+adapter loaded at run time (its saved state), serve.yaml's ``lora_config`` loads
 adapters from ``dynamic_lora_loading_path`` on first use (unknown: 404 naming it; a bad
 folder: 400 naming the file and field), and nothing stays allocated."""
 
@@ -24,7 +25,7 @@ from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import restart_actor, wait_until  # noqa: E402
 
 APP, MODEL = "kvlora", "tiny-lora"
 ENGINE = dict(block_size=8, num_kv_blocks=128, max_model_len=256, dtype="float32", hash_seed=7)
@@ -127,6 +128,18 @@ def test_load_reaches_every_replica_and_a_later_one(app, adapters, offline, tiny
     _deploy(tiny_llama_path, adapters, 3)  # same engine version: the two replicas stay, a third starts
     states = _states(config, router)
     assert len(states) == 3 and all({"a", "b"} <= set(s["loras"]) for s in states.values())
+
+
+def test_a_killed_registry_keeps_the_adapters_loaded_at_run_time(app, offline):
+    url, config, _ = app
+    registry = ray.get_actor(f"kvroute-router:{APP}:loras", namespace="kvroute")
+    before = ray.get(registry.snapshot.remote())
+    assert "b" in before[1]  # loaded through /v1/load_lora_adapter by the test before
+    restart_actor(registry)
+    # read back from the GCS KV at once, not handed back later by a replica's sync: the same epoch
+    assert ray.get(registry.snapshot.remote()) == before
+    assert _complete(url, "b").choices[0].text == offline["b"]
+    assert "b" in {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
 
 
 def test_dynamic_path_loads_on_first_use_and_names_the_unknown(app, offline):
