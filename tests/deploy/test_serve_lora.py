@@ -1,7 +1,8 @@
 """LoRA adapters through the Ray Serve application, end to end: a real local Ray cluster,
 requests through Serve's HTTP proxy with the official ``openai`` client and httpx, tiny
 random PEFT adapters the tests save. ``model`` selects an adapter on every replica (its
-output equals the offline engine's with that adapter), /v1/models lists them, load and
+output equals the offline engine's with that adapter; Ray Serve LLM's
+``"<base>:<adapter>"`` names it too), /v1/models lists them, load and
 unload reach every replica (one started later too), a restarted registry keeps an
 adapter loaded at run time (its saved state), serve.yaml's ``lora_config`` loads
 adapters from ``dynamic_lora_loading_path`` on first use (unknown: 404 naming it; a bad
@@ -106,6 +107,24 @@ def test_models_list_the_adapters_and_model_selects_one(app, offline, tiny_llama
         r = _complete(url, "a")
         assert r.choices[0].text == offline["a"] and r.model == "a"
     assert _complete(url, MODEL).choices[0].text == offline[None]
+
+
+def test_ray_serve_llms_base_colon_adapter_names_the_adapter(app, offline):
+    url = app[0]
+    client = _client(url)
+    r = _complete(url, f"{MODEL}:a")
+    assert r.choices[0].text == offline["a"] and r.model == "a"  # the answer names the adapter
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chats = [client.chat.completions.create(model=m, messages=messages, max_tokens=6, temperature=0) for m in ("a", f"{MODEL}:a")]
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].message.content != chats[0].choices[0].message.content  # the adapter ran
+    with pytest.raises(openai.NotFoundError, match=f"LoRA adapter 'nope' of '{MODEL}' does not exist"):
+        _complete(url, f"{MODEL}:nope")
+    with pytest.raises(openai.NotFoundError, match="model 'other-base:a' does not exist"):
+        _complete(url, "other-base:a")
+    with pytest.raises(openai.NotFoundError, match="model 'other-base:a' does not exist"):
+        client.chat.completions.create(model="other-base:a", messages=messages, max_tokens=2)
 
 
 def test_an_adapters_prefix_is_its_own(app):
