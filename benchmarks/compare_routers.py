@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if before is not None:
                     time.sleep(1.5)  # the replicas' last metrics report
                     run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
-                    print("  per replica (requests, prompt, cached): " + "; ".join(
-                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
-                        for rid, c in spread.items()), flush=True)  # fmt: skip
+                    print("  per replica (requests, prompt, cached, adapter loads): " + "; ".join(
+                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}, "
+                        f"{c.get('adapter_loads', 0):.0f}" for rid, c in spread.items()), flush=True)  # fmt: skip
                 if routing_before is not None:
                     after = fleet.router_counters() or {}
                     run_info["routing"] = routing = {k: v - routing_before.get(k, 0.0) for k, v in sorted(after.items())}

@@ -14,7 +14,10 @@ in front of ``--replicas`` ``kvroute serve-replica --emulate ... --enable-lora``
 processes. Every replica knows every adapter (``lora_modules``): PEFT folders this
 module writes, ``adapter_config.json`` only (rank ``--lora-rank`` on every linear: the
 emulated engine reads nothing else and prices a slot load at the profile's bytes per rank,
-ARCHITECTURE.md §6). A request names its adapter as ``model``.
+ARCHITECTURE.md §6). A request names its adapter as ``model``. Unlike the simulator's
+re-implementations, Ray's routers here get no multiplexed model id (the Serve app does
+not tag a LoRA request with one), so they route a LoRA request as any other: without
+Ray Serve LLM's preference for the replicas that have its adapter loaded.
 
 Per router: adapter slot loads per 1,000 completed requests (the replicas' own
 ``kvroute:lora_slot_loads``, from the Serve app's or each serve-replica's ``/metrics``),

@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(summary_line(out))
-    return 0 if not any(r.get("errors") for r in out["results"].values()) else 1
+    # a peer's errors are a measured outcome (replicas it overloaded); kvroute's mean something went wrong
+    return 0 if not out["results"].get("kvroute", {}).get("errors") else 1
 
 
 if __name__ == "__main__":
