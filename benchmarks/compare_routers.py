@@ -10,8 +10,8 @@ How one fleet serves every router: the engine deployment gets a pinned Serve
 application with another ``request_router_config`` / ``router_policy`` only
 reconfigures the running replicas (Serve's ``NeedsActorReconfigure`` update); the
 HTTP ingress, which holds the handle whose request router routes, is replaced and so
-builds the new router. Before every run each replica's prefix cache is reset
-(``EngineReplica.reset_prefix_cache``, addressed through a control handle built while
+builds the new router. Before every run each replica's prefix cache is reset, and its
+LoRA adapter slots emptied (``EngineReplica.reset_prefix_cache``, addressed through a control handle built while
 kvroute's request router was active), the router actor's directory is emptied and
 Ray's prefix-tree actor is killed, so every router starts cold. The JSON records the
 replica ids seen in every run: they must be the same set.
@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if before is not None:
                     time.sleep(1.5)  # the replicas' last metrics report
                     run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
-                    print("  per replica (requests, prompt, cached): " + "; ".join(
-                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}"
-                        for rid, c in spread.items()), flush=True)  # fmt: skip
+                    print("  per replica (requests, prompt, cached, adapter loads): " + "; ".join(
+                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}, "
+                        f"{c.get('adapter_loads', 0):.0f}" for rid, c in spread.items()), flush=True)  # fmt: skip
                 if fleet.kind == "serve":
                     run_info["peer_staleness_ms"] = fleet.peer_staleness_ms()
                 if routing_before is not None:

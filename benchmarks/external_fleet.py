@@ -12,7 +12,9 @@ import subprocess
 import sys
 from typing import Any
 
-from kvroute.benchmarks.fleets import _CLI, EXTERNAL_ROUTERS, SERVED_NAME, _free_port, _wait_http, wait_until, warm_up
+from kvroute.benchmarks.fleets import (
+    _CLI, EXTERNAL_ROUTERS, SERVED_NAME, _free_port, _wait_http, replica_counters, wait_until, warm_up,
+)
 
 # how each registers a worker while it runs (sglang-router 0.3: JSON body; vllm-router: query)
 _ADD_WORKER = {"sglang_router": lambda url: ("/workers", {"json": {"url": url}}),
@@ -25,7 +27,7 @@ class ExternalFleet:
 
     kind = "serve-replica processes"
     _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale",
-                  "host_kv_blocks")
+                  "host_kv_blocks", "max_loras", "max_lora_rank", "max_cpu_loras")
 
     def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         self.args = args
@@ -43,6 +45,7 @@ class ExternalFleet:
         for key in self._FORWARDED:
             if kw.get(key) is not None:
                 flags += [f"--{key.replace('_', '-')}", str(kw[key])]
+        flags += self._lora_flags()
         new = []
         for _ in range(n):
             port = _free_port()
@@ -75,8 +78,20 @@ class ExternalFleet:
         return {"fleet": self.kind, "base_url": self.base_urls[0], "base_urls": list(self.base_urls),
                 "worker_urls": list(urls)}  # fmt: skip
 
-    def counters(self) -> None:
-        return None
+    def _lora_flags(self) -> list[str]:
+        """``--enable-lora`` and every adapter of ``lora_modules``: each process knows them all."""
+        kw = self.engine_kwargs
+        if not kw.get("enable_lora"):
+            return []
+        modules = [f"{name}={path}" for name, path in kw.get("lora_modules", {}).items()]
+        return ["--enable-lora", *(["--lora-modules", *modules] if modules else [])]
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Each process' own cumulative counters (its ``/metrics``), by replica id."""
+        out: dict[str, dict[str, float]] = {}
+        for url in self.urls:
+            out.update(replica_counters(url))
+        return out
 
     def router_counters(self) -> None:
         return None

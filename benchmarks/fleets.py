@@ -346,12 +346,14 @@ def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
 
 
 _COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_tokens",
-            "vllm:prefix_cache_hits": "cached_tokens", "vllm:generation_tokens": "output_tokens"}
+            "vllm:prefix_cache_hits": "cached_tokens", "vllm:generation_tokens": "output_tokens",
+            "kvroute:lora_slot_loads": "adapter_loads"}
 
 
 def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
     """Per replica, the cumulative counters of the app's ``/metrics`` (requests, prompt,
-    cached and output tokens): a run's difference shows how a router spread the load."""
+    cached and output tokens, LoRA adapter slot loads): a run's difference shows how a
+    router spread the load. A ``serve-replica`` answers with its own row."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 

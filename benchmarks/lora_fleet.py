@@ -4,6 +4,7 @@
         [--max-loras 8] [--load 0.85] [--requests 4096] [--hardware gpu] [--seed 0]
         [--policies kvroute,power_of_two,prefix_affinity_ray,cache_aware_vllm]
         [--out results/lora_fleet.json]
+    python -m kvroute.benchmarks.lora_fleet --emulate PROFILE --time-scale K ...   (measured: benchmarks/lora_emulated.py)
 
 Workload (``lora_zipf``): ``--adapters`` adapters with Zipf(``--zipf``) popularity,
 each with its own system prompt (``--system-prompt-len`` tokens) that every request of
@@ -30,25 +31,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvroute.benchmarks import workloads as W
+from kvroute.benchmarks.workloads import lora_zipf
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 from kvroute.replica.profiles import get_profile
 
 HARDWARE = {"gpu": "gpu_h100_llama3_8b", "cpu": "cpu_measured"}
 PEERS = ("power_of_two", "prefix_affinity_ray", "cache_aware_vllm")
-
-
-def lora_zipf(num_adapters: int = 64, num_requests: int = 4096, system_prompt_len: int = 2048, question_len: int = 128,
-              output_len: int = 256, s: float = 1.1, seed: int = 0) -> W.Workload:  # fmt: skip
-    """Zipf-popular adapters, each with its own system prompt; request ``i`` names
-    adapter ``lora-<g>`` of its group ``g`` (group 0 the most popular)."""
-    base = W.zipf_groups(num_adapters, num_requests, system_prompt_len, question_len, output_len, s, seed=seed)
-    reqs = [replace(r, lora_name=f"lora-{r.group_id}") for r in base.requests]
-    return replace(base, name="lora-zipf", requests=reqs, params={**base.params, "adapters": num_adapters})
 
 
 def summarize(m: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +52,7 @@ def summarize(m: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cost = get_profile(HARDWARE.get(args.hardware, args.hardware))
     workload = lora_zipf(args.adapters, args.requests, args.system_prompt_len, args.question_len, args.output_len,
-                         args.zipf, args.seed)  # fmt: skip
+                         args.zipf, seed=args.seed)  # fmt: skip
     config = SimConfig(num_replicas=args.replicas, kv_blocks=args.kv_blocks or cost.kv_blocks_per_replica,
                        max_loras=args.max_loras, lora_rank=args.lora_rank)  # fmt: skip
     capacity = estimate_capacity(workload, cost, config)
@@ -95,10 +87,12 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def summary_line(out: dict[str, Any]) -> str:
     c, res = out["comparison"], out["results"]
-    parts = [f"{p}: loads/1k {r['adapter_loads_per_1k']:.1f} hit {r['hit_rate']:.3f} p90 {1e3 * r['ttft_p90_s']:.0f} ms "
-             f"{r['output_tokens_per_s']:.0f} tok/s" for p, r in res.items()]  # fmt: skip
+    parts = [f"{p}: loads/1k {r['adapter_loads_per_1k']:.1f} hit {r['hit_rate']:.3f} p50 {1e3 * r['ttft_p50_s']:.0f} "
+             f"p90 {1e3 * r['ttft_p90_s']:.0f} ms {r['output_tokens_per_s']:.0f} tok/s"
+             + (f" {r['errors']} errors" if "errors" in r else "") for p, r in res.items()]  # fmt: skip
     cfg = out["config"]
-    head = (f"lora_fleet (simulated, {out['profile']}): {cfg['replicas']} replicas, {cfg['adapters']} adapters "
+    how = "simulated" if out["simulated"] else f"emulated x{out['time_scale']:g}"
+    head = (f"lora_fleet ({how}, {out['profile']}): {cfg['replicas']} replicas, {cfg['adapters']} adapters "
             f"zipf {cfg['zipf']}, max_loras {cfg['max_loras']}, {cfg['load']} load ({out['rate_rps']:.1f} req/s)")  # fmt: skip
     tail = (f"; kvroute/best peer: p90 {c['p90_ratio']:.3g}x ({c['best_p90_peer']}), loads {c['loads_ratio']:.3g}x "
             f"({c['best_loads_peer']})") if c else ""  # fmt: skip
@@ -122,6 +116,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["kvroute", *PEERS])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/lora_fleet.json")
+    e = p.add_argument_group("measured on emulated replicas (benchmarks/lora_emulated.py)")
+    e.add_argument("--emulate", default=None, metavar="PROFILE", help="run the routers on replicas emulating this profile")
+    e.add_argument("--time-scale", type=float, default=1.0, help="the emulated steps take K times the profile's time")
+    e.add_argument("--routers", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="compare_routers' router names (default: kvroute, power_of_two, prefix_affinity_ray, vllm_router)")
+    e.add_argument("--model", default="smollm2-135m-instruct", help="the replicas' model folder (config and tokenizer)")
+    e.add_argument("--num-cpus-per-replica", type=float, default=0.05)
+    e.add_argument("--app-name", default="kvroute-lora")
+    e.add_argument("--http-port", type=int, default=8000)
+    e.add_argument("--timeout-s", type=float, default=1800.0)
+    e.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start one)")
     args = p.parse_args(argv)
     if args.replicas < 1 or args.adapters < 1 or args.max_loras < 1 or args.requests < 1 or not args.load > 0:
         p.error("--replicas, --adapters, --max-loras and --requests must be >= 1 and --load > 0")
@@ -131,14 +136,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        out = run(args)
+        if args.emulate:
+            from kvroute.benchmarks import lora_emulated
+
+            out = lora_emulated.run(args)
+        else:
+            out = run(args)
     except ValueError as exc:
         print(f"lora_fleet: error: {exc}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(summary_line(out))
-    return 0
+    # a peer's errors are a measured outcome (replicas it overloaded); kvroute's mean something went wrong
+    return 0 if not out["results"].get("kvroute", {}).get("errors") else 1
 
 
 if __name__ == "__main__":

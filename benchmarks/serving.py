@@ -259,7 +259,7 @@ def build_payload(
     decode: Optional[Callable[[Sequence[int]], str]] = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
-        "model": model,
+        "model": spec.lora_name or model,  # a LoRA request names its adapter, as OpenAI servers take it
         "max_tokens": spec.output_len,
         "temperature": config.temperature,
         "stream": config.stream,

@@ -379,12 +379,23 @@ def rate_sweep(capacity_rps: float, fractions: Sequence[float] = (0.5, 0.7, 0.85
     return [capacity_rps * f for f in fractions]
 
 
+def lora_zipf(num_adapters: int = 64, num_requests: int = 4096, system_prompt_len: int = 2048, question_len: int = 128,
+              output_len: int = 256, s: float = 1.1, *, seed: int = 0, scale: float = 1.0, len_scale: float = 1.0) -> Workload:  # fmt: skip
+    """Zipf-popular LoRA adapters, each with its own system prompt: request ``i`` names
+    adapter ``lora-<g>`` of its group ``g`` (group 0 the most popular)."""
+    base = zipf_groups(num_adapters, num_requests, system_prompt_len, question_len, output_len, s, seed=seed, scale=scale,
+                       len_scale=len_scale)  # fmt: skip
+    reqs = [replace(r, lora_name=f"lora-{r.group_id}") for r in base.requests]
+    return replace(base, name="lora-zipf", requests=reqs, params={**base.params, "adapters": base.num_groups})
+
+
 WORKLOADS = {
     "generated-shared-prefix": generated_shared_prefix,
     "high-hit": high_hit,
     "low-hit": low_hit,
     "b2b": b2b,
     "zipf": zipf_groups,
+    "lora-zipf": lora_zipf,
     "multi-tenant": multi_tenant,
     "multi-turn": multi_turn,
     "long-document-qa": long_document_qa,

@@ -12,14 +12,20 @@ sees the same folders, so a folder path is the adapter.
 ``sync_period_s`` it loads what it lacks (while ``max_cpu_loras`` leaves room) and
 unloads what the registry no longer lists (an adapter still in use is unloaded at a
 later sync); a request for an adapter the engine has not loaded yet loads it first
-(``ensure``), making room by unloading the least recently used idle one. A registry that
-restarted comes back with the config's adapters only (a new ``epoch``): the replicas
-then offer it what they hold instead of unloading it.
+(``ensure``), making room by unloading the least recently used idle one.
+
+The actor keeps its list and ``epoch`` in Ray's GCS internal KV too (``save_state``:
+written on every change, read back on start, keyed by the actor's name, so by the
+application), so a registry that dies and restarts comes back with every adapter,
+those loaded at run time that no replica holds included, and the same epoch;
+``kill_router_actors`` deletes the key with the actors. A registry that comes back
+without it (the store lost, a new epoch) is handed what the replicas hold instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -39,15 +45,53 @@ log = logging.getLogger(__name__)
 
 # (epoch, {name: folder}): a registry's state as replicas read it
 Snapshot = tuple[str, dict[str, str]]
+_KV_NAMESPACE = "kvroute"  # the GCS internal KV namespace of the registries' saved state
+
+
+def save_state(key: str, snapshot: Snapshot) -> None:
+    from ray.experimental import internal_kv
+
+    epoch, modules = snapshot
+    internal_kv._internal_kv_put(key, json.dumps({"epoch": epoch, "modules": modules}), namespace=_KV_NAMESPACE)
+
+
+def load_state(key: str) -> Snapshot | None:
+    """The state saved under ``key`` (None: nothing saved)."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+    if raw is None:
+        return None
+    state = json.loads(raw)
+    return state["epoch"], dict(state["modules"])
+
+
+def delete_state(key: str) -> bool:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE) > 0
 
 
 class LoRARegistry:
     """The adapters of one application, by name. ValueError for a name taken by another
-    folder or one that is not a valid adapter name."""
+    folder or one that is not a valid adapter name. With ``state_key`` the state is saved
+    in the GCS internal KV on every change and, where saved before, read back instead of
+    ``modules`` (needs a connected Ray worker); without it, it lives in memory only."""
 
-    def __init__(self, modules: Mapping[str, str] = ()) -> None:
+    def __init__(self, modules: Mapping[str, str] = (), state_key: str | None = None) -> None:
+        self.state_key = state_key
+        saved = load_state(state_key) if state_key is not None else None
+        if saved is not None:
+            self.epoch, self.modules = saved
+            log.info("LoRA registry %s restored %d adapters (epoch %s)", state_key, len(self.modules), self.epoch)
+            return
         self.epoch = secrets.token_hex(8)
         self.modules: dict[str, str] = dict(modules)
+        self._save()
+
+    def _save(self) -> None:
+        if self.state_key is not None:
+            save_state(self.state_key, self.snapshot())
 
     def snapshot(self) -> Snapshot:
         return self.epoch, dict(self.modules)
@@ -62,10 +106,13 @@ class LoRARegistry:
         if known is not None and known != path:
             raise ValueError(f"LoRA adapter {name!r} is already loaded (from {known}); unload it first")
         self.modules[name] = path
+        self._save()
         return known is None
 
     def remove(self, name: str) -> bool:
-        return self.modules.pop(name, None) is not None
+        removed = self.modules.pop(name, None) is not None
+        self._save()
+        return removed
 
     def restore(self, epoch: str, modules: Mapping[str, str]) -> str:
         """A replica's adapters after this registry restarted (``epoch`` is the one the
@@ -73,6 +120,7 @@ class LoRARegistry:
         if epoch != self.epoch:
             for name, path in modules.items():
                 self.modules.setdefault(name, path)
+            self._save()
         return self.epoch
 
 
@@ -87,7 +135,7 @@ def get_or_create_lora_registry(config: ClusterConfig) -> ray.actor.ActorHandle:
     """The application's registry, created on first use (detached, like the routers)."""
     return LoRARegistryActor.options(
         name=lora_registry_name(config), namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
-    ).remote(dict(config.engine.lora_modules))
+    ).remote(dict(config.engine.lora_modules), lora_registry_name(config))
 
 
 def _same(a: str | None, b: str | None) -> bool:

@@ -283,11 +283,17 @@ def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:
 
 
 def kill_router_actors(app_name: str) -> int:
-    """Kill every router actor of application ``app_name``; how many there were."""
-    base = ClusterConfig(app_name=app_name).router_actor_name
+    """Kill every router actor of application ``app_name`` (its LoRA registry too, and
+    the registry's saved state); how many there were."""
+    from kvroute.cluster.lora_registry import delete_state, lora_registry_name
+
+    config = ClusterConfig(app_name=app_name)
+    base = config.router_actor_name
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == ROUTER_NAMESPACE and (a["name"] == base or a["name"].startswith(base + ":"))]  # fmt: skip
-    return sum(kill_router_actor(n) for n in names)
+    killed = sum(kill_router_actor(n) for n in names)
+    delete_state(lora_registry_name(config))
+    return killed
 
 
 def kill_router_actor(name: str) -> bool:

@@ -123,21 +123,22 @@ class OpenAIServing:
     async def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model); 404 for a name that is
         neither the model, an alias, nor an adapter the host has or can load (400 for
-        one it cannot load)."""
+        one it cannot load). Ray Serve LLM's ``"<base model>:<adapter>"`` names the
+        adapter: with an unknown adapter the 404 names it; with another base, the model."""
         if model is None or model in self.model_names:
             return None
+        base, colon, adapter = model.partition(":")
+        if not (colon and adapter and base in self.model_names):
+            adapter = model
         if self.adapters is not None:
             try:
-                if await self.adapters.find_lora(model):
-                    return model
+                if await self.adapters.find_lora(adapter):
+                    return adapter
             except ValueError as exc:
                 raise bad_request(str(exc), param="model") from None
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server serves {[*self.model_names, *await self._lora_modules()]}",
-            param="model",
-            code="model_not_found",
-        )
+        serves = [*self.model_names, *await self._lora_modules()]
+        what = f"The LoRA adapter {adapter!r} of {base!r}" if adapter != model else f"The model {model!r}"
+        raise APIError(404, f"{what} does not exist; this server serves {serves}", param="model", code="model_not_found")
 
     # ------------------------------------------------------------------ LoRA adapters
     async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> str:

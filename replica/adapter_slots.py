@@ -61,6 +61,10 @@ class AdapterSlots:
         del self.adapters[name]
         self.resident.pop(name, None)  # its slot is simply reused later
 
+    def evict_all(self) -> None:
+        """Empty every slot (the adapters stay registered); the caller runs no step now."""
+        self.resident.clear()
+
     def require(self, name: str) -> None:
         if name not in self.adapters:
             known = ", ".join(sorted(self.adapters)) or "none"

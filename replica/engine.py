@@ -387,4 +387,11 @@ class Engine:
         return self.kv.host_block_hashes()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        """Forget every cached block and, with LoRA, empty the adapter slots (a cold start:
+        the next request of each adapter loads it); False, nothing changed, while a
+        request holds a block."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        if self.lora is not None:
+            self.lora.evict_all()
+        return True

@@ -199,6 +199,22 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interv
         time.sleep(interval_s)
 
 
+def restart_actor(actor: Any) -> None:
+    """Kill a restartable Ray actor (Ray starts it again) and return once its new process
+    answers (an answer from the old one, before the kill lands, does not count)."""
+    import ray
+
+    def pid() -> Any:
+        try:
+            return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=2)
+        except ray.exceptions.RayError:
+            return None
+
+    old = pid()
+    ray.kill(actor, no_restart=False)
+    wait_until(lambda: pid() not in (None, old), 30, "the actor to restart")
+
+
 def free_port() -> int:
     import socket
 

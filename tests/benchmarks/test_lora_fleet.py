@@ -33,3 +33,28 @@ def test_benchmark_prints_a_line_and_writes_json(tmp_path, capsys):
     for r in data["results"].values():
         assert r["completed"] == 160 and r["leaked_blocks"] == 0 and r["adapter_loads"] >= 8  # each adapter once at least
     assert data["comparison"]["p90_ratio"] > 0 and data["adapter_load_s"] == pytest.approx(COST.adapter_load_time(16))
+
+
+def test_emulated_fleet_counts_adapter_loads_for_kvroute_and_vllm_router(ray_cluster, tiny_llama_path, tmp_path, capsys):
+    """The emulated mode end to end, small: kvroute's Serve app and the real vllm-router
+    in front of serve-replica processes, two emulated replicas each with every adapter;
+    both serve the whole trace and the replicas' own counters see the slot loads."""
+    pytest.importorskip("vllm_router", reason="pip install -e .[test] installs vllm-router")
+    port = ray_cluster.rsplit(":", 1)[1]
+    out = tmp_path / "lora.json"
+    rc = main(["--emulate", "gpu_h100_llama3_8b", "--time-scale", "10", "--model", str(tiny_llama_path), "--replicas", "2",
+               "--adapters", "4", "--max-loras", "1", "--requests", "24", "--system-prompt-len", "64", "--question-len", "16",
+               "--output-len", "4", "--load", "0.5", "--routers", "kvroute,vllm_router", "--app-name", "lorabench",
+               "--http-port", port, "--num-cpus-per-replica", "0.5", "--timeout-s", "300", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, printed[-5:]
+    assert printed[-1].startswith("lora_fleet (emulated x10, gpu_h100_llama3_8b): 2 replicas, 4 adapters")
+    data = json.loads(out.read_text())
+    assert not data["simulated"] and list(data["results"]) == ["kvroute", "vllm_router"]
+    assert data["results"]["kvroute"]["fleet"] == "serve" and data["results"]["vllm_router"]["fleet"] != "serve"
+    for r in data["results"].values():
+        assert r["completed"] == 24 and r["errors"] == 0
+        # one slot per replica, four adapters on two replicas: each is loaded once at least
+        assert r["adapter_loads"] >= 4 and r["adapter_loads_per_1k"] == pytest.approx(1000 * r["adapter_loads"] / 24)
+    adapters = tmp_path / "lora" / "adapters"
+    assert sorted(p.name for p in adapters.iterdir()) == [f"lora-{g}" for g in range(4)]

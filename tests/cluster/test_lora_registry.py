@@ -2,8 +2,9 @@
 replica's ``ReplicaAdapters`` around a real (emulated, torch-free) engine: sync loads what
 the registry lists and unloads what it dropped (not while in use), a folder spelled
 another way is the same adapter (no reload), a request's adapter loads on first use with
-the least recently used idle one making room, and a restarted registry gets the
-replicas' adapters back."""
+the least recently used idle one making room, a restarted registry reads its adapters
+and epoch back from the GCS internal KV (and, where that state was lost, gets the
+replicas' adapters back), and ending the application deletes that state."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import json
 import pytest
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.lora_registry import ReplicaAdapters, get_or_create_lora_registry
+from kvroute.cluster.lora_registry import (
+    ReplicaAdapters, delete_state, get_or_create_lora_registry, load_state, lora_registry_name,
+)
 from kvroute.cluster.router_actor import kill_router_actors
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.engine import Engine
 from kvroute.replica.sampling_params import SamplingParams
 from tests.cluster.conftest import ray, tiny_engine, wait_until
+from tests.conftest import restart_actor
 
 
 def _folder(path, rank=8) -> str:
@@ -80,13 +84,31 @@ def test_first_use_loads_and_evicts_the_least_recently_used_idle_adapter(setup):
     asyncio.run(scenario())
 
 
-def test_a_restarted_registry_gets_the_replicas_adapters_back(setup):
+def test_a_restarted_registry_reads_its_saved_state_back(setup):
+    config, registry, _, folders = setup
+    ray.get(registry.add.remote("b", folders["b"]))  # loaded at run time; no replica holds it
+    before = ray.get(registry.snapshot.remote())
+    assert load_state(lora_registry_name(config)) == before
+    restart_actor(registry)
+    assert ray.get(registry.snapshot.remote()) == before  # every adapter, the same epoch
+    assert ray.get(registry.remove.remote("b"))
+    restart_actor(registry)
+    assert ray.get(registry.snapshot.remote()) == (before[0], {"a": folders["a"] + "/"})  # the removal stays
+    kill_router_actors(config.app_name)  # the application ends: its registry's state goes too
+    assert load_state(lora_registry_name(config)) is None
+    fresh = get_or_create_lora_registry(config)
+    epoch, modules = ray.get(fresh.snapshot.remote())
+    assert epoch != before[0] and modules == {"a": folders["a"] + "/"}
+
+
+def test_a_registry_that_lost_its_state_gets_the_replicas_adapters_back(setup):
     config, registry, engine, folders = setup
     adapters = ReplicaAdapters(engine, registry, config.engine.max_cpu_loras)
     ray.get(registry.add.remote("b", folders["b"]))
 
     async def scenario():
         await adapters.sync()
+        assert delete_state(lora_registry_name(config))  # the store lost it (a GCS without persistence restarted)
         ray.kill(registry, no_restart=False)  # it comes back with the config's adapters only
         wait_until(lambda: _epoch(registry) not in (None, adapters.epoch), 30, "the registry to restart")
         await adapters.sync()

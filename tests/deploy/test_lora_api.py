@@ -78,6 +78,7 @@ def test_model_selects_the_adapter(server, offline):
     base, lora = _complete(client, "tiny"), _complete(client, "a")
     assert base.choices[0].text == offline[None]
     assert lora.choices[0].text == offline["a"] and lora.model == "a"
+    assert _complete(client, "tiny:a").choices[0].text == offline["a"]  # Ray Serve LLM's "<base>:<adapter>"
     chat = client.chat.completions.create(model="a", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert chat.model == "a" and chat.usage.completion_tokens == 4
 
@@ -85,6 +86,10 @@ def test_model_selects_the_adapter(server, offline):
 def test_unknown_adapter_is_404_naming_it(server):
     with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
         _complete(_client(server), "nope")
+    with pytest.raises(openai.NotFoundError, match="LoRA adapter 'nope' of 'tiny' does not exist"):
+        _complete(_client(server), "tiny:nope")
+    with pytest.raises(openai.NotFoundError, match="model 'other:a' does not exist"):
+        _complete(_client(server), "other:a")
 
 
 def test_load_serve_unload_at_run_time(server, adapters, offline):

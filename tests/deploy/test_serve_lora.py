@@ -1,8 +1,10 @@
 """LoRA adapters through the Ray Serve application, end to end: a real local Ray cluster,
 requests through Serve's HTTP proxy with the official ``openai`` client and httpx, tiny
 random PEFT adapters the tests save. ``model`` selects an adapter on every replica (its
-output equals the offline engine's with that adapter), /v1/models lists them, load and
-unload reach every replica (one started later too), serve.yaml's ``lora_config`` loads
+output equals the offline engine's with that adapter; Ray Serve LLM's
+``"<base>:<adapter>"`` names it too), /v1/models lists them, load and
+unload reach every replica (one started later too), a restarted registry keeps an
+adapter loaded at run time (its saved state), serve.yaml's ``lora_config`` loads
 adapters from ``dynamic_lora_loading_path`` on first use (unknown: 404 naming it; a bad
 folder: 400 naming the file and field), and nothing stays allocated."""
 
@@ -24,7 +26,7 @@ from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import restart_actor, wait_until  # noqa: E402
 
 APP, MODEL = "kvlora", "tiny-lora"
 ENGINE = dict(block_size=8, num_kv_blocks=128, max_model_len=256, dtype="float32", hash_seed=7)
@@ -107,6 +109,24 @@ def test_models_list_the_adapters_and_model_selects_one(app, offline, tiny_llama
     assert _complete(url, MODEL).choices[0].text == offline[None]
 
 
+def test_ray_serve_llms_base_colon_adapter_names_the_adapter(app, offline):
+    url = app[0]
+    client = _client(url)
+    r = _complete(url, f"{MODEL}:a")
+    assert r.choices[0].text == offline["a"] and r.model == "a"  # the answer names the adapter
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chats = [client.chat.completions.create(model=m, messages=messages, max_tokens=6, temperature=0) for m in ("a", f"{MODEL}:a")]
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].message.content != chats[0].choices[0].message.content  # the adapter ran
+    with pytest.raises(openai.NotFoundError, match=f"LoRA adapter 'nope' of '{MODEL}' does not exist"):
+        _complete(url, f"{MODEL}:nope")
+    with pytest.raises(openai.NotFoundError, match="model 'other-base:a' does not exist"):
+        _complete(url, "other-base:a")
+    with pytest.raises(openai.NotFoundError, match="model 'other-base:a' does not exist"):
+        client.chat.completions.create(model="other-base:a", messages=messages, max_tokens=2)
+
+
 def test_an_adapters_prefix_is_its_own(app):
     url = app[0]
     prompt = "A long system prompt that only the adapter named b shall see, " * 3
@@ -127,6 +147,18 @@ def test_load_reaches_every_replica_and_a_later_one(app, adapters, offline, tiny
     _deploy(tiny_llama_path, adapters, 3)  # same engine version: the two replicas stay, a third starts
     states = _states(config, router)
     assert len(states) == 3 and all({"a", "b"} <= set(s["loras"]) for s in states.values())
+
+
+def test_a_killed_registry_keeps_the_adapters_loaded_at_run_time(app, offline):
+    url, config, _ = app
+    registry = ray.get_actor(f"kvroute-router:{APP}:loras", namespace="kvroute")
+    before = ray.get(registry.snapshot.remote())
+    assert "b" in before[1]  # loaded through /v1/load_lora_adapter by the test before
+    restart_actor(registry)
+    # read back from the GCS KV at once, not handed back later by a replica's sync: the same epoch
+    assert ray.get(registry.snapshot.remote()) == before
+    assert _complete(url, "b").choices[0].text == offline["b"]
+    assert "b" in {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
 
 
 def test_dynamic_path_loads_on_first_use_and_names_the_unknown(app, offline):
@@ -155,9 +187,16 @@ def test_unload_reaches_every_replica(app):
 def test_metrics_count_the_adapter_loads(app):
     from prometheus_client.parser import text_string_to_metric_families
 
-    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(app[0] + "/metrics", timeout=30).text)}
-    loads = [s.value for s in fams["kvroute:lora_slot_loads"].samples if s.name.endswith("_total")]
-    assert len(loads) == 3 and sum(loads) >= 3  # a, b and c ran; each replica counts its own
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(app[0] + "/metrics", timeout=30).text)}
+
+    def loads() -> list[float]:
+        return [s.value for s in families()["kvroute:lora_slot_loads"].samples if s.name.endswith("_total")]
+
+    # a, b and c ran; each replica counts its own, in a report about once a second (one may lag on a busy box)
+    wait_until(lambda: sum(loads()) >= 3, 15, "the replicas' reports of 3 adapter loads at least")
+    assert len(loads()) == 3
+    fams = families()
     assert all(s.value <= 2 for s in fams["kvroute:lora_resident_adapters"].samples)  # max_num_adapters_per_replica
 
 

@@ -299,6 +299,17 @@ def test_a_workers_lora_adapter_is_served_and_keyed_by_the_adapter(fleet, tmp_pa
         assert not set(hash_blocks(spec, ids)) & set(ray.get(router.directory.remote("lora")))
         again = client.completions.create(model="sql", prompt=ids + [9, 9, 9], max_tokens=2, temperature=0)
         assert again.usage.prompt_tokens_details.cached_tokens == len(keyed) * BLOCK
+        # Ray Serve LLM's "<base>:<adapter>" names the same adapter, completions and chat
+        ray_named = client.completions.create(model=f"{MODEL}:sql", prompt=ids + [9, 9, 9], max_tokens=2, temperature=0)
+        assert ray_named.model == "sql" and ray_named.choices[0].text == again.choices[0].text
+        assert ray_named.usage.prompt_tokens_details.cached_tokens >= len(keyed) * BLOCK  # the adapter's own blocks
+        chat = client.chat.completions.create(model=f"{MODEL}:sql", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2, temperature=0)  # fmt: skip
+        assert chat.model == "sql"
+        with pytest.raises(openai.NotFoundError, match=f"LoRA adapter 'nope' of '{MODEL}' does not exist"):
+            client.completions.create(model=f"{MODEL}:nope", prompt=ids, max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match="model 'other-base:sql' does not exist"):
+            client.completions.create(model="other-base:sql", prompt=ids, max_tokens=2)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-adapter", prompt=ids, max_tokens=2)
         # loaded and unloaded through the ingress: on the workers that can (the emulated ones refuse)

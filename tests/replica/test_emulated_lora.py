@@ -51,6 +51,21 @@ def test_slot_loads_are_lru_priced_by_the_profile_and_reported(tiny_llama_path, 
     assert stats.adapter_load_s == pytest.approx(0.672 * load16 + 0.328 * profile.adapter_load_time(8))
 
 
+def test_reset_prefix_cache_empties_the_slots_too(tiny_llama_path, modules):
+    engine = _engine(tiny_llama_path, modules)
+    for i, name in enumerate(["a", "b"]):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=1), lora_name=name)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().resident_loras == ("a", "b") and engine.stats().lora_slot_loads == 2
+    assert engine.reset_prefix_cache()
+    assert engine.stats().resident_loras == () and engine.lora_names() == ["a", "b", "c"]
+    engine.add_request("again", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1), lora_name="a")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().lora_slot_loads == 3 and engine.stats().resident_loras == ("a",)  # loaded anew
+
+
 def test_a_step_takes_its_cold_adapters_load(tiny_llama_path, modules):
     engine = _engine(tiny_llama_path, modules)
     engine.add_request("x", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1), lora_name="a")

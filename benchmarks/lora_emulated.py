@@ -1,0 +1,117 @@
+"""The LoRA fleet measured on emulated replicas (``lora_fleet --emulate PROFILE``): the
+routers in front of real replicas that emulate the profile's steps and adapter slot loads.
+
+    python -m kvroute.benchmarks.lora_fleet --emulate gpu_h100_llama3_8b --time-scale 10
+        [--replicas 16] [--adapters 64] [--max-loras 8] [--load 0.85]
+        [--routers kvroute,power_of_two,prefix_affinity_ray,vllm_router] [--model PATH]
+
+The same ``lora-zipf`` trace as the simulated run (``workloads.lora_zipf``), at ``--load``
+× the fleet's capacity as the simulator prices it, is served by
+``benchmarks/compare_routers.py``'s fleets, each router from cold caches and empty
+adapter slots: kvroute, Ray's power of two and PrefixCacheAffinityRouter on one Serve
+application of ``--replicas`` emulated engines, and the real vllm-router (``cache_aware``)
+in front of ``--replicas`` ``kvroute serve-replica --emulate ... --enable-lora``
+processes. Every replica knows every adapter (``lora_modules``): PEFT folders this
+module writes, ``adapter_config.json`` only (rank ``--lora-rank`` on every linear: the
+emulated engine reads nothing else and prices a slot load at the profile's bytes per rank,
+ARCHITECTURE.md §6). A request names its adapter as ``model``. Unlike the simulator's
+re-implementations, Ray's routers here get no multiplexed model id (the Serve app does
+not tag a LoRA request with one), so they route a LoRA request as any other: without
+Ray Serve LLM's preference for the replicas that have its adapter loaded.
+
+Per router: adapter slot loads per 1,000 completed requests (the replicas' own
+``kvroute:lora_slot_loads``, from the Serve app's or each serve-replica's ``/metrics``),
+prefix hit rate, TTFT p50/p90, output tokens/s and errors, in unscaled seconds. The
+compare_routers outputs (JSON per run, table, plots) go beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvroute.benchmarks.fleets import external_available
+from kvroute.benchmarks.sim.simulator import SimConfig, estimate_capacity
+from kvroute.benchmarks.workloads import lora_zipf
+from kvroute.replica.lora_config import CONFIG_FILE, MODULES
+from kvroute.replica.profiles import get_profile
+
+BLOCK_SIZE = 16
+MAX_BATCHED_TOKENS = 8192
+SERVE_PEERS = ("kvroute", "power_of_two", "prefix_affinity_ray")
+
+
+def default_routers() -> list[str]:
+    return [*SERVE_PEERS, *(["vllm_router"] if external_available("vllm_router") else [])]
+
+
+def write_adapters(folder: Path, num_adapters: int, rank: int) -> dict[str, str]:
+    """``lora-0`` … ``lora-<n-1>``: PEFT folders with ``adapter_config.json`` alone
+    (rank ``rank`` on every linear); ``{name: folder}``."""
+    out = {}
+    for g in range(num_adapters):
+        d = folder / f"lora-{g}"
+        d.mkdir(parents=True, exist_ok=True)
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES), "bias": "none",
+                  "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}  # fmt: skip
+        (d / CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
+        out[f"lora-{g}"] = str(d.resolve())
+    return out
+
+
+def compare_argv(args: argparse.Namespace, rate: float, kv_blocks: int, modules: dict[str, str], out_dir: Path) -> list[str]:
+    """compare_routers' command line for this run."""
+    profile = get_profile(args.emulate)
+    engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                     "max_model_len": profile.max_model_len, "enable_lora": True, "max_loras": args.max_loras,
+                     "max_lora_rank": args.lora_rank, "lora_modules": modules}  # fmt: skip
+    workload = {"num_adapters": args.adapters, "num_requests": args.requests, "system_prompt_len": args.system_prompt_len,
+                "question_len": args.question_len, "output_len": args.output_len, "s": args.zipf}  # fmt: skip
+    argv = [
+        "--model", args.model, "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
+        "--routers", ",".join(args.routers or default_routers()), "--emulate", args.emulate,
+        "--time-scale", str(args.time_scale), "--engine-kwargs", json.dumps(engine_kwargs), "--request-rates", str(rate),
+        "--dataset-name", "lora-zipf", "--workload-kwargs", json.dumps(workload), "--seed", str(args.seed),
+        "--out-dir", str(out_dir), "--label", "lora-zipf", "--app-name", args.app_name, "--http-port", str(args.http_port),
+        "--timeout-s", str(args.timeout_s), "--disable-tqdm",
+    ]  # fmt: skip
+    return argv + (["--address", args.address] if args.address else [])
+
+
+def router_result(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One router's figures: its table row and its run's per-replica counters."""
+    loads = sum(c.get("adapter_loads", 0.0) for c in run.get("per_replica", {}).values())
+    return {
+        "completed": row["completed"], "errors": row["failed"], "adapter_loads": loads,
+        "adapter_loads_per_1k": 1000 * loads / max(row["completed"], 1), "hit_rate": row["hit_rate"],
+        "ttft_p50_s": row["ttft_median_ms"] / 1000, "ttft_p90_s": row["ttft_p90_ms"] / 1000,
+        "output_tokens_per_s": row["out_tok_s"], "fleet": run.get("fleet"),
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvroute.benchmarks import compare_routers
+    from kvroute.benchmarks.lora_fleet import compare
+
+    profile = get_profile(args.emulate)
+    workload = lora_zipf(args.adapters, args.requests, args.system_prompt_len, args.question_len, args.output_len,
+                         args.zipf, seed=args.seed)  # fmt: skip
+    biggest = max(-(-(r.num_prompt_tokens + r.output_len) // BLOCK_SIZE) for r in workload.requests)
+    kv_blocks = max(args.kv_blocks or profile.kv_blocks_per_replica, 4 * biggest)
+    config = SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
+                       max_num_batched_tokens=MAX_BATCHED_TOKENS, max_loras=args.max_loras, lora_rank=args.lora_rank)  # fmt: skip
+    capacity = estimate_capacity(workload, profile, config)
+    rate = round(args.load * capacity["capacity_rps"], 4)
+    out_dir = Path(args.out).with_suffix("")
+    modules = write_adapters(out_dir / "adapters", args.adapters, args.lora_rank)
+    combined = compare_routers.run(compare_routers.build_parser().parse_args(compare_argv(args, rate, kv_blocks, modules, out_dir)))
+    results = {row["router"]: router_result(row, json.loads((out_dir / f"{row['run']}.json").read_text()))
+               for row in combined["rows"]}  # fmt: skip
+    return {
+        "benchmark": "lora_fleet", "simulated": False, "profile": profile.name, "time_scale": args.time_scale,
+        "adapter_load_s": profile.adapter_load_time(args.lora_rank), "kv_blocks_per_replica": kv_blocks,
+        "config": {k: v for k, v in vars(args).items() if k != "out"}, "rate_rps": rate, "capacity": capacity,
+        "results": results, "comparison": compare(results), "compare_routers_dir": str(out_dir),
+    }  # fmt: skip
