@@ -149,7 +149,7 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
         rows.append({**row, "scenario": cell.scenario, "ingresses": ingresses, "load": args.load,
                      "num_routers": run.get("num_routers"), "requests_per_ingress": run["requests_per_ingress"],
                      "ingress_cores": sum(v for k, v in by_kind.items() if k in INGRESS_KINDS),
-                     "router_cores": by_kind.get("RouterActor", 0.0),
+                     "router_cores": sum(v for k, v in by_kind.items() if k.endswith("RouterService")),
                      "peer_lag_p50_ms": (run.get("peer_staleness_ms") or {}).get("p50"),
                      "peer_lag_p99_ms": (run.get("peer_staleness_ms") or {}).get("p99"),
                      "cpu_by_kind": by_kind, "run_json": str(out / f"{row['run']}.json")})  # fmt: skip
