@@ -5,8 +5,8 @@ what the router actors know of them.
 One ``WorkerPool`` per application, a detached Ray actor (``kvroute-workers:<app>``)
 that every ingress replica asks for the workers that are up. Every ``poll_interval_s``
 it polls each up worker's ``/metrics`` into ``LoadFigures`` (``deploy/worker_load.py``:
-vLLM's gauges, and the worker's prefill rate and decode step, measured or estimated) and hands them to every router actor (``report_load``, also
-the worker's sign of life); a worker whose poll fails, or that an ingress reports dead
+vLLM's gauges, and the worker's prefill rate and decode step, measured or estimated)
+and hands them to every router actor (``report_load``, also the worker's sign of life); a worker whose poll fails, or that an ingress reports dead
 (``mark_down``), is removed from every router and probed (``/health``, then
 ``/v1/models``) until it answers again. A worker comes up only if it serves the
 application's model; its LoRA adapters (the ``/v1/models`` entries with a ``parent``)
