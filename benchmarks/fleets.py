@@ -350,16 +350,20 @@ _COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_to
             "kvroute:lora_slot_loads": "adapter_loads"}
 
 
+def metric_families(base_url: str) -> list[Any]:
+    """The metric families of the app's (or a process's) ``/metrics``, parsed."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return list(text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text))
+
+
 def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
     """Per replica, the cumulative counters of the app's ``/metrics`` (requests, prompt,
     cached and output tokens, LoRA adapter slot loads): a run's difference shows how a
     router spread the load. A ``serve-replica`` answers with its own row."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, dict[str, float]] = {}
-    text = httpx.get(base_url + "/metrics", timeout=30).text
-    for fam in text_string_to_metric_families(text):
+    for fam in metric_families(base_url):
         key = _COUNTED.get(fam.name)
         if key is None:
             continue
@@ -380,11 +384,8 @@ def router_counters(base_url: str) -> dict[str, float]:
     ``decisions:<reason>`` for the router's decisions by reason, ``reuse:<figure>`` for
     the decision-quality figures (offered, available, captured, delivered) and
     ``loss:<kind>[:<reason>]`` for their losses."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+    for fam in metric_families(base_url):
         for sample in fam.samples:
             if not sample.name.endswith("_total"):
                 continue
@@ -403,11 +404,8 @@ def router_counters(base_url: str) -> dict[str, float]:
 
 
 def peer_staleness_ms(base_url: str) -> dict[str, float]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+    for fam in metric_families(base_url):
         if fam.name == "kvroute:router_peer_staleness_seconds":
             for sample in fam.samples:
                 key = {"0.5": "p50", "0.99": "p99"}[sample.labels["quantile"]]
