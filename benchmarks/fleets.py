@@ -376,7 +376,8 @@ def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
 
 _ROUTER_COUNTED = {"kvroute:router_fallbacks": "fallbacks", "kvroute:predicted_cached_tokens": "predicted_cached_tokens",
                    "kvroute:actual_cached_tokens": "actual_cached_tokens", "kvroute:cached_tokens_abs_error": "cached_tokens_abs_error",
-                   "kvroute:routed_requests": "routed_requests", "kvroute:router_failovers": "failovers"}  # fmt: skip
+                   "kvroute:routed_requests": "routed_requests", "kvroute:router_failovers": "failovers",
+                   "kvroute:router_spills": "spills"}  # fmt: skip
 
 
 def router_counters(base_url: str) -> dict[str, float]:

@@ -6,11 +6,12 @@ ingress, a benchmark job, a test driver). A thin Serve shell around ``Ranker``
 (``ranker.py``): for a ``GenerateRequest`` the ranker asks a router actor with the
 block hashes the caller computed and returns the replicas best first; Serve probes them
 in that order, so a replica at ``max_ongoing_requests`` is skipped for the next one.
-Each process starts with its own router (by pid, so the ingresses spread over them);
-one that cannot answer in time (not started yet, restarting, dead) is skipped for
-``ROUTER_DOWN_S`` and the next router asked (a failover, counted). Only when no router
-answers does this fall back to power of two choices, count it, and log it; requests
-never fail because of the routers.
+Every process asks the routers in the application's order (``router_choice.py``): the
+first while it keeps up, the next when it has too many of this process's calls
+unanswered (a spill) or could not answer in time (not started yet, restarting, dead: a
+failover, and it is skipped for ``DOWN_S``). Only when no router answers does this fall
+back to power of two choices, count it, and log it; requests never fail because of the
+routers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
 import random
 import time
 from typing import Any, List, Optional, Sequence
@@ -34,16 +34,16 @@ from ray.serve.request_router import (
 
 from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, Ranking, ReplicaCall, ReplicaUnavailableError
 from kvroute.cluster.ranker import Ranker
+from kvroute.cluster.router_choice import RouterChoice
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_LOG_EVERY_S = 10.0
 _MAX_REMEMBERED_RANKINGS = 10_000
-ROUTER_DOWN_S = 5.0  # a router that did not answer is skipped this long
 
 # Process-wide counts over every KVRouteRequestRouter in this process (Serve builds one
-# per handle): what the HTTP ingress exports as kvroute:router_fallbacks / _failovers.
-PROCESS_STATS = {"ranked": 0, "fallbacks": 0, "failovers": 0}
+# per handle): what the HTTP ingress exports as kvroute:router_fallbacks / _failovers / _spills.
+PROCESS_STATS = {"ranked": 0, "fallbacks": 0, "failovers": 0, "spills": 0}
 
 
 def _process_stats() -> dict[str, int]:
@@ -68,12 +68,10 @@ class KVRouteRequestRouter(RequestRouter):
     to the oldest pending one, which would undo every per-request (prefix) decision."""
 
     def initialize_state(self, router_actor_names: Sequence[str] = (), timeout_s: float = 1.0, **_: Any) -> None:
-        names = list(router_actor_names)
-        first = os.getpid() % max(len(names), 1)
-        self._names = names[first:] + names[:first]  # this process's order of preference
+        self._names = list(router_actor_names)
+        self._choice = RouterChoice(len(self._names), _process_stats()) if self._names else None
         self._timeout_s = timeout_s
         self._actors: dict[str, ray.actor.ActorHandle] = {}
-        self._down_until: dict[str, float] = {}
         self._ranker = Ranker(self._rank, self._note_fallback, _MAX_REMEMBERED_RANKINGS)
         self.stats = self._ranker.stats
         self._last_fallback_log = float("-inf")
@@ -125,24 +123,24 @@ class KVRouteRequestRouter(RequestRouter):
         return [[by_id[rid]] for rid in order]
 
     async def _rank(self, request: GenerateRequest, candidates: list[str]) -> Ranking:
-        """The first router up (in this process's order) that answers in time."""
-        now = time.monotonic()
-        names = [n for n in self._names if self._down_until.get(n, 0.0) <= now] or self._names
-        error: BaseException = RuntimeError("no router actor configured")
-        for i, name in enumerate(names):
+        """The first router (in ``RouterChoice``'s order) that answers in time."""
+        if self._choice is None:
+            raise RuntimeError("no router actor configured")
+        order = self._choice.order()
+        for k, i in enumerate(order):
+            self._choice.asking(i)
             try:
-                ranking = await self._ask(name, request, candidates)
-            except Exception as exc:
-                error = exc
-                self._actors.pop(name, None)
-                self._down_until[name] = time.monotonic() + ROUTER_DOWN_S
-                if i + 1 < len(names):
-                    _process_stats()["failovers"] += 1
+                ranking = await self._ask(self._names[i], request, candidates)
+            except Exception:
+                self._choice.answered(i, False, last=k + 1 == len(order))
+                self._actors.pop(self._names[i], None)
+                if k + 1 == len(order):
+                    raise
                 continue
-            self._down_until.pop(name, None)
+            self._choice.answered(i, True)
             _process_stats()["ranked"] += 1
             return ranking
-        raise error
+        raise AssertionError("unreachable: the order is never empty")
 
     async def _ask(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
         actor = self._actors.get(name)

@@ -308,7 +308,8 @@ async def router_metrics(router_actors: list[Any], model_name: str, accuracy: An
         log.warning("a router actor did not answer for /metrics: %r", exc)
     replicas = snapshots[0]["replicas"] if snapshots else {}
     router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
-    body = render(model_name, replicas, router, accuracy, PROCESS_STATS["fallbacks"], PROCESS_STATS["failovers"])
+    body = render(model_name, replicas, router, accuracy, PROCESS_STATS["fallbacks"], PROCESS_STATS["failovers"],
+                  PROCESS_STATS["spills"])
     return body, CONTENT_TYPE
 
 

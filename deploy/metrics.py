@@ -89,13 +89,14 @@ def render(
     accuracy: Optional[DecisionQuality] = None,
     fallbacks: Optional[int] = None,
     failovers: Optional[int] = None,
+    spills: Optional[int] = None,
 ) -> bytes:
     """The Prometheus text exposition of everything given."""
 
     class _Collector:
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
-            yield from _router_families(model_name, router, accuracy, fallbacks, failovers)
+            yield from _router_families(model_name, router, accuracy, fallbacks, failovers, spills)
             yield _process_family(model_name, replicas, router)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
@@ -140,7 +141,7 @@ def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> I
 
 def _router_families(
     model_name: str, router: Optional[dict[str, Any]], accuracy: Optional[DecisionQuality], fallbacks: Optional[int],
-    failovers: Optional[int] = None,
+    failovers: Optional[int] = None, spills: Optional[int] = None,
 ) -> Iterable[Metric]:
     labels = ["model_name"]
     if router is not None:
@@ -174,6 +175,11 @@ def _router_families(
         c = CounterMetricFamily("kvroute:router_failovers", "Requests ranked by another router after one did not answer.",
                                 labels=labels)  # fmt: skip
         c.add_metric([model_name], float(failovers))
+        yield c
+    if spills is not None:
+        c = CounterMetricFamily("kvroute:router_spills", "Requests ranked by a later router while the first had too many "
+                                "of this process's calls unanswered.", labels=labels)  # fmt: skip
+        c.add_metric([model_name], float(spills))
         yield c
     if accuracy is not None:
         r = accuracy.reuse

@@ -35,7 +35,8 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from kvroute.cluster.messages import Ranking
-from kvroute.cluster.request_router import PROCESS_STATS, ROUTER_DOWN_S
+from kvroute.cluster.request_router import PROCESS_STATS
+from kvroute.cluster.router_choice import RouterChoice
 from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from kvroute.deploy.serving import OpenAIServing
@@ -116,9 +117,8 @@ class WorkersBackend:
     def __init__(self, pool: Any, router_actors: list[Any], hash_spec: HashSpec, request_timeout_s: Optional[float],
                  accuracy: Any = None) -> None:  # fmt: skip
         self.pool = pool
-        first = os.getpid() % len(router_actors)
-        self.routers = router_actors[first:] + router_actors[:first]  # this process's order of preference
-        self._down_until = [0.0] * len(self.routers)
+        self.routers = list(router_actors)
+        self._choice = RouterChoice(len(self.routers), PROCESS_STATS)
         self.hash_spec = hash_spec
         self.accuracy = accuracy
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
@@ -227,19 +227,18 @@ class WorkersBackend:
 
     # ------------------------------------------------------------------ routing
     async def _rank(self, hashes: list, num_tokens: int, candidates: list[str], lora_name: Optional[str]) -> Ranking:
-        """The first router up (in this process's order) that answers within a second;
+        """The first router (in ``RouterChoice``'s order) that answers within a second;
         none: a random order (counted as a fallback)."""
-        now = time.monotonic()
-        for i, actor in enumerate(self.routers):
-            if self._down_until[i] > now:
-                continue
+        order = self._choice.order()
+        for k, i in enumerate(order):
+            self._choice.asking(i)
             try:
-                ranking = await asyncio.wait_for(actor.rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
+                ranking = await asyncio.wait_for(self.routers[i].rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
             except Exception as exc:
                 log.warning("router %d did not rank: %r", i, exc)
-                self._down_until[i] = time.monotonic() + ROUTER_DOWN_S
-                PROCESS_STATS["failovers"] += 1
+                self._choice.answered(i, False, last=k + 1 == len(order))
                 continue
+            self._choice.answered(i, True)
             PROCESS_STATS["ranked"] += 1
             return ranking
         PROCESS_STATS["fallbacks"] += 1

@@ -1,0 +1,67 @@
+"""Which of the application's router actors a process asks, in what order (no Ray here:
+``request_router.py`` and ``deploy/workers.py`` drive it).
+
+Every process orders the routers the same way, the application's order. While the
+first router keeps up, every decision of every ingress is made by that one router,
+which has seen every decision before it: N routers place exactly like one, and the
+others stand by hot (they hear every replica's events and every decision, so any of
+them can take over at once). Routers that each took the decisions of their own
+ingresses (by pid, as first built) placed worse: each missed the others' last decisions
+for the time they took to arrive (the peer lag), and lagging routers send the same
+requests to the same idle replica. Measured on 16 emulated H100 replicas at 8
+ingresses: ARCHITECTURE.md §3.4.
+
+The routers share the work when one cannot keep up: a router with ``spill_at`` of this
+process's calls unanswered is passed over for the next one (by Little's law the calls
+in flight are the rate times the answer time, so they grow as the router falls behind),
+and the next router decides with the view its peers' decisions give it. A router that
+failed to answer is skipped for ``down_s`` (a failover); when every router is down or
+busy, they are asked in order all the same.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+SPILL_AT = 4  # a router with this many of the process's calls unanswered is passed over
+DOWN_S = 5.0  # a router that did not answer is skipped this long
+
+
+class RouterChoice:
+    def __init__(self, num_routers: int, stats: dict[str, int] | None = None, spill_at: int = SPILL_AT,
+                 down_s: float = DOWN_S, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if num_routers < 1 or spill_at < 1:
+            raise ValueError(f"need num_routers >= 1 and spill_at >= 1, got {num_routers!r}, {spill_at!r}")
+        self.spill_at, self.down_s, self.clock = spill_at, down_s, clock
+        self.in_flight = [0] * num_routers
+        self._down_until = [float("-inf")] * num_routers
+        # counts "spills" (calls that went past a busy router) and "failovers" (calls
+        # that went on to another router after one failed)
+        self.stats = stats if stats is not None else {}
+        for key in ("spills", "failovers"):
+            self.stats.setdefault(key, 0)
+
+    def order(self) -> list[int]:
+        """Router indices to ask, in order: the routers up and not busy first."""
+        now = self.clock()
+        n = len(self.in_flight)
+        up = [i for i in range(n) if self._down_until[i] <= now] or list(range(n))
+        free = [i for i in up if self.in_flight[i] < self.spill_at]
+        if free and free[0] != up[0]:
+            self.stats["spills"] += 1
+        return free + [i for i in up if self.in_flight[i] >= self.spill_at]
+
+    def asking(self, i: int) -> None:
+        self.in_flight[i] += 1
+
+    def answered(self, i: int, ok: bool, last: bool = True) -> None:
+        """Router ``i`` answered a call (``ok``), or failed or timed out: it is skipped
+        for ``down_s``, and unless it was the ``last`` of the order the call fails over."""
+        self.in_flight[i] -= 1
+        if ok:
+            self._down_until[i] = float("-inf")
+            return
+        self._down_until[i] = self.clock() + self.down_s
+        if not last:
+            self.stats["failovers"] += 1
