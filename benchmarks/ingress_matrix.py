@@ -104,7 +104,8 @@ def sim_config(args: argparse.Namespace, kv_blocks: int) -> Any:
     from kvroute.benchmarks.sim.simulator import SimConfig
 
     return SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
-                     max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
+                     max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+                     router_decision_s=args.router_decision_s)  # fmt: skip
 
 
 def simulate(cell: Cell, ingresses: int, router: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-router", default=None, metavar="SCENARIO:I", help="a kvroute run at that cell loses a router mid-run")
     p.add_argument("--window-s", type=float, default=60.0, help="the kill run's hit-rate window after the kill (unscaled s)")
     p.add_argument("--peer-delay", type=float, default=0.002, help="the simulator's lag between kvroute's routers (s)")
+    p.add_argument("--router-decision-s", type=float, default=0.0005, help="the simulator's time per decision per router (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=900.0)

@@ -19,11 +19,17 @@ deterministic for a fixed workload and seed):
 The router's clock is the simulation's clock, so its pending-entry TTL runs in
 simulated seconds.
 
-``num_routers`` > 1: that many routers, each receiving every replica's events, take the
-arrivals in turn (clients spread evenly over ingresses). With ``peer_delay_s`` >= 0 each
-decision reaches the other routers that much later (``Router.note_routed``: kvroute's
-shared decisions); with ``peer_delay_s`` < 0 they never do (independent routers, the way
-users scale the peers' routers).
+``num_routers`` > 1: that many routers, each receiving every replica's events. With
+``peer_delay_s`` >= 0 each decision reaches the other routers that much later
+(``Router.note_routed``: kvroute's shared decisions); with ``peer_delay_s`` < 0 they
+never do (independent routers, the way users scale the peers' routers). Clients are
+spread evenly over ``num_ingresses`` (default: one per router), and a request's router
+is chosen by ``router_choice``: ``"own"``, each ingress its own router (the peers' way,
+and kvroute's first design); ``"first"``, kvroute's ``cluster/router_choice.py``: every
+ingress asks the routers in one order and passes over a router with ``spill_at`` of its
+decisions unanswered. A router takes ``router_decision_s`` per decision, in order (its
+queue: what makes one router too few past 1 / ``router_decision_s`` requests/s); the
+request is routed when its decision is made, and its TTFT counts the wait.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
 from kvroute.benchmarks.workloads import RequestSpec, Workload
 from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.cluster.router_choice import SPILL_AT, RouterChoice
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.reuse import ReuseAccount
 
-_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL, _PEER = 0, 1, 2, 3, 4, 5
+_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL, _PEER, _DECIDE = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,12 @@ class SimConfig:
     join_at_s: float = 0.0
     failing_replicas: int = 0  # failure: the first ones of num_replicas die at fail_at_s, replaced empty
     fail_at_s: float = 0.0
-    num_routers: int = 1  # routers taking the arrivals in turn, each fed every replica's events
+    num_routers: int = 1  # routers, each fed every replica's events
     peer_delay_s: float = 0.0  # a decision reaches the other routers this much later (< 0: never)
+    num_ingresses: int = 0  # clients spread evenly over this many (0: one per router)
+    router_choice: str = "own"  # "own": each ingress its router; "first": one order, spilling (router_choice.py)
+    router_decision_s: float = 0.0  # a router's time per decision, in order (0: instant)
+    spill_at: int = SPILL_AT  # "first": an ingress passes over a router with this many of its decisions waiting
     max_loras: int = 0  # LoRA adapter slots per replica (0: no adapters)
     lora_rank: int = 16  # every adapter's rank (its slot load: the profile's adapter_load_time)
 
@@ -75,6 +86,9 @@ class SimConfig:
             raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.router_choice not in ("own", "first") or self.router_decision_s < 0 or self.num_ingresses < 0:
+            raise ValueError(f"need router_choice 'own' or 'first', router_decision_s >= 0 and num_ingresses >= 0, got "
+                             f"{self.router_choice!r}, {self.router_decision_s!r}, {self.num_ingresses!r}")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -118,6 +132,11 @@ class Simulation:
         ]
         self.router = self.routers[0]
         self._arrivals = 0
+        self.router_stats: dict[str, int] = {"spills": 0, "failovers": 0}
+        self._choices = [RouterChoice(config.num_routers, self.router_stats, config.spill_at)
+                         for _ in range(config.num_ingresses or config.num_routers)]  # fmt: skip
+        self._busy_until = [0.0] * config.num_routers  # each router's decisions queue
+        self.decisions_per_router = [0] * config.num_routers
         self._add(list(self.replicas)[: config.num_replicas - config.joining_replicas])
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
@@ -157,6 +176,10 @@ class Simulation:
             self.now = t
             if kind == _ARRIVAL:
                 self._arrive(payload)
+            elif kind == _DECIDE:
+                spec, ingress, k, arrival_s = payload
+                self._choices[ingress].answered(k, True)
+                self._route(spec, k, arrival_s)
             elif kind == _STEP_END:
                 self._step_end(payload)
             elif kind == _JOIN:
@@ -170,13 +193,27 @@ class Simulation:
                 self._deliver(payload)
         return self.metrics()
 
-    def _arrive(self, spec: RequestSpec, arrival_s: float | None = None, first_token_s: float | None = None) -> None:
-        """Route ``spec`` and queue it; a retry passes its original arrival and first token."""
+    def _arrive(self, spec: RequestSpec) -> None:
+        """Hand ``spec`` to its ingress' router; routed when the router gets to it."""
+        ingress = self._arrivals % len(self._choices)
+        self._arrivals += 1
+        if self.config.router_choice == "first":
+            k = self._choices[ingress].order()[0]
+        else:
+            k = ingress % len(self.routers)
+        if self.config.router_decision_s <= 0:
+            return self._route(spec, k, self.now)
+        self._choices[ingress].asking(k)
+        self._busy_until[k] = max(self.now, self._busy_until[k]) + self.config.router_decision_s
+        self._push(self._busy_until[k], _DECIDE, (spec, ingress, k, self.now))
+
+    def _route(self, spec: RequestSpec, k: int, arrival_s: float, first_token_s: float | None = None) -> None:
+        """Router ``k`` routes ``spec`` and it is queued; a retry passes its original
+        arrival and first token."""
+        self.decisions_per_router[k] += 1
         hashes = hash_blocks(self.hash_spec, spec.prompt_token_ids, spec.cache_salt, lora_name=spec.lora_name)
         # a text-matching peer sees the prompt, not the salt; it keys an adapter's prompts apart (the model name)
         text = None if spec.cache_salt is None else hash_blocks(self.hash_spec, spec.prompt_token_ids, lora_name=spec.lora_name)
-        k = self._arrivals % len(self.routers)
-        self._arrivals += 1
         decision = self.routers[k].route(hashes, spec.num_prompt_tokens, None, text, lora_name=spec.lora_name)
         if self.config.peer_delay_s >= 0:
             for j, peer in enumerate(self.routers):
@@ -190,7 +227,7 @@ class Simulation:
         rep = self.replicas[decision.replica_id]
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket
-        sim = SimRequest(spec, req, self.now if arrival_s is None else arrival_s, rep.replica_id,
+        sim = SimRequest(spec, req, arrival_s, rep.replica_id,
                          decision.expected_cached_tokens, decision.reason, first_token_s, decision.available_tokens)  # fmt: skip
         rep.add(sim)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
@@ -207,8 +244,8 @@ class Simulation:
                 router.remove_replica(rid)
             self._add([rid])
         self.num_retried += len(lost)
-        for sim in lost:
-            self._arrive(sim.spec, sim.arrival_s, sim.first_token_s)
+        for sim in lost:  # (routed again at once, by the first router)
+            self._route(sim.spec, 0, sim.arrival_s, sim.first_token_s)
 
     def _start(self, rep: SimReplica) -> None:
         dur = rep.start_step()
@@ -288,6 +325,8 @@ class Simulation:
             "leaked_blocks": leaked,
             "requests_per_replica": per_replica,
             "reasons": dict(sorted(self.reasons.items())),
+            "decisions_per_router": list(self.decisions_per_router),
+            "router_spills": self.router_stats["spills"],
             "busy_fraction": {
                 rid: round(r.busy_s / (end - start), 4) if end > start else 0.0 for rid, r in self.replicas.items()
             },

@@ -279,3 +279,34 @@ def test_routers_that_share_decisions_place_like_one_and_independent_ones_do_not
         assert m["completed"] == len(wl) and m["leaked_blocks"] == 0
     assert shared["hit_rate"] >= 0.98 * one["hit_rate"] and lagged["hit_rate"] >= 0.98 * one["hit_rate"]
     assert alone["reuse"]["routing_share"] + alone["reuse"]["stale_share"] > shared["reuse"]["routing_share"] + shared["reuse"]["stale_share"]
+
+
+def test_every_ingress_asks_the_first_router_and_spills_only_when_it_falls_behind():
+    """``router_choice="first"`` (kvroute's ingresses): below one router's capacity every
+    decision is the first router's, so four routers place exactly like one; past it
+    (2 ms a decision, 1,000 requests/s) the ingress passes over a router with 2 of its
+    decisions waiting, the four share the work, and the wait for a decision stays short
+    where one router's queue grows with the run."""
+    from dataclasses import replace
+
+    base = W.generated_shared_prefix(8, 8, 256, 16, 8, seed=1)
+    slow = W.with_poisson_arrivals(base, rate=100.0, seed=1)
+    one = run("kvroute", slow, replace(CFG, router_decision_s=0.001))
+    first = run("kvroute", slow, replace(CFG, num_routers=4, router_choice="first", router_decision_s=0.001))
+    assert first["decisions_per_router"] == [len(slow), 0, 0, 0] and first["router_spills"] == 0
+    assert first["hit_rate"] == one["hit_rate"] and first["ttft_p90_s"] == one["ttft_p90_s"]
+
+    fast = W.with_poisson_arrivals(base, rate=1000.0, seed=1)
+    cfg = replace(CFG, router_decision_s=0.002, num_ingresses=1, spill_at=2)
+    alone = run("kvroute", fast, cfg)
+    shared = run("kvroute", fast, replace(cfg, num_routers=4, router_choice="first"))
+    assert shared["router_spills"] > 0 and all(n > 0 for n in shared["decisions_per_router"])
+    assert shared["completed"] == len(fast) and shared["leaked_blocks"] == 0
+    assert shared["ttft_p90_s"] < 0.5 * alone["ttft_p90_s"]
+
+
+def test_a_bad_router_choice_is_refused():
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="router_choice"):
+        replace(CFG, router_choice="random")
