@@ -80,6 +80,7 @@ class Ranking:
     reason: str
     ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
     available_tokens: int = 0  # RouteDecision.available_tokens
+    router_load: float = 0.0  # the answering router process's CPU use, in cores (RouterService.load)
 
     def trace(self) -> RouteTrace:
         return RouteTrace(self.replica_ids[0], self.expected_cached_tokens, self.reason, self.ticket, self.available_tokens)

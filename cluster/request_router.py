@@ -137,7 +137,7 @@ class KVRouteRequestRouter(RequestRouter):
                 if k + 1 == len(order):
                     raise
                 continue
-            self._choice.answered(i, True)
+            self._choice.answered(i, True, load=ranking.router_load)
             _process_stats()["ranked"] += 1
             return ranking
         raise AssertionError("unreachable: the order is never empty")

@@ -35,6 +35,7 @@ from kvroute.router.router import Router
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import ROUTER_NAMESPACE, Ranking
+from kvroute.cluster.router_choice import LOAD_SAMPLE_S
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class RouterService:
         self._queued = threading.Event()  # set when a decision waits in the outbox (wakes the flusher)
         self._last_share = 0.0
         self._staleness_s: deque[float] = deque(maxlen=2048)  # age of the peers' decisions on arrival
+        self._load, self._load_at, self._load_cpu = 0.0, time.monotonic(), time.process_time()
 
     def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
         """Start over with an empty directory (and optionally another policy): every
@@ -146,6 +148,18 @@ class RouterService:
                 self.counters["expired_replicas"] += 1
 
     # ------------------------------------------------------------------ routing
+    def load(self) -> float:
+        """The router process's CPU use, in cores, over the last interval of at least
+        ``LOAD_SAMPLE_S`` (every thread of it: the calls Ray runs, their (de)serializing,
+        the peer flusher). A Python router saturates near one core, so the ingresses pass
+        it over from ``router_choice.BUSY_LOAD``."""
+        now = time.monotonic()
+        if now - self._load_at >= LOAD_SAMPLE_S:
+            cpu = time.process_time()
+            self._load = (cpu - self._load_cpu) / (now - self._load_at)
+            self._load_at, self._load_cpu = now, cpu
+        return self._load
+
     def rank(
         self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str], lora_name: str | None = None
     ) -> Ranking:
@@ -157,7 +171,7 @@ class RouterService:
         random.shuffle(unknown)
         if not known:
             self.counters["unregistered_routes"] += 1
-            return Ranking(unknown, 0, "unregistered")
+            return Ranking(unknown, 0, "unregistered", router_load=self.load())
         decision = self.router.route(block_hashes, num_tokens, known, lora_name=lora_name)
         if self._share is not None:
             self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
@@ -167,7 +181,7 @@ class RouterService:
         rest = self.router.fallbacks(known, decision.replica_id)
         return Ranking(
             [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket,
-            decision.available_tokens,
+            decision.available_tokens, self.load(),
         )
 
     # ------------------------------------------------------------------ peers
@@ -222,6 +236,7 @@ class RouterService:
             **self.router.stats(),
             **self.counters,
             "peer_staleness_ms": self._staleness(),
+            "cpu_load": round(self.load(), 4),
             "uptime_s": self.clock() - self.started_at,
             "process": process_figures(),
         }

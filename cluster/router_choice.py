@@ -11,10 +11,17 @@ for the time they took to arrive (the peer lag), and lagging routers send the sa
 requests to the same idle replica. Measured on 16 emulated H100 replicas at 8
 ingresses: ARCHITECTURE.md §3.4.
 
-The routers share the work when one cannot keep up: a router with ``spill_at`` of this
-process's calls unanswered is passed over for the next one (by Little's law the calls
-in flight are the rate times the answer time, so they grow as the router falls behind),
-and the next router decides with the view its peers' decisions give it. A router that
+The routers share the work when one cannot keep up. A router is passed over for the
+next one while it is busy:
+- it has ``spill_at`` of this process's calls unanswered (by Little's law the calls in
+  flight are the rate times the answer time, so they grow as it falls behind); or
+- its last answer, less than ``load_ttl_s`` old, said its process used ``busy_load``
+  cores or more (``RouterService.load``). A Python router saturates near one core,
+  and one process' own calls in flight cannot see a queue that many ingresses fill
+  together (at I ingresses the first router would queue I × ``spill_at`` calls
+  before anyone passed it over); the router's own CPU can. The figure expires, so a
+  router passed over is asked again and reports afresh.
+The next router decides with the view its peers' decisions give it. A router that
 failed to answer is skipped for ``down_s`` (a failover); when every router is down or
 busy, they are asked in order all the same.
 """
@@ -25,17 +32,23 @@ import time
 from typing import Callable
 
 SPILL_AT = 4  # a router with this many of the process's calls unanswered is passed over
+BUSY_LOAD = 0.8  # ... or one whose process reported this many cores of CPU use
+LOAD_TTL_S = 0.25  # ... that recently
 DOWN_S = 5.0  # a router that did not answer is skipped this long
+LOAD_SAMPLE_S = 0.1  # a router measures its CPU use over intervals at least this long
 
 
 class RouterChoice:
     def __init__(self, num_routers: int, stats: dict[str, int] | None = None, spill_at: int = SPILL_AT,
-                 down_s: float = DOWN_S, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 busy_load: float = BUSY_LOAD, load_ttl_s: float = LOAD_TTL_S, down_s: float = DOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if num_routers < 1 or spill_at < 1:
             raise ValueError(f"need num_routers >= 1 and spill_at >= 1, got {num_routers!r}, {spill_at!r}")
-        self.spill_at, self.down_s, self.clock = spill_at, down_s, clock
+        self.spill_at, self.busy_load, self.load_ttl_s = spill_at, busy_load, load_ttl_s
+        self.down_s, self.clock = down_s, clock
         self.in_flight = [0] * num_routers
         self._down_until = [float("-inf")] * num_routers
+        self._busy_until = [float("-inf")] * num_routers  # a busy load report holds until then
         # counts "spills" (calls that went past a busy router) and "failovers" (calls
         # that went on to another router after one failed)
         self.stats = stats if stats is not None else {}
@@ -47,20 +60,22 @@ class RouterChoice:
         now = self.clock()
         n = len(self.in_flight)
         up = [i for i in range(n) if self._down_until[i] <= now] or list(range(n))
-        free = [i for i in up if self.in_flight[i] < self.spill_at]
+        free = [i for i in up if self.in_flight[i] < self.spill_at and self._busy_until[i] <= now]
         if free and free[0] != up[0]:
             self.stats["spills"] += 1
-        return free + [i for i in up if self.in_flight[i] >= self.spill_at]
+        return free + [i for i in up if i not in free]
 
     def asking(self, i: int) -> None:
         self.in_flight[i] += 1
 
-    def answered(self, i: int, ok: bool, last: bool = True) -> None:
-        """Router ``i`` answered a call (``ok``), or failed or timed out: it is skipped
-        for ``down_s``, and unless it was the ``last`` of the order the call fails over."""
+    def answered(self, i: int, ok: bool, last: bool = True, load: float = 0.0) -> None:
+        """Router ``i`` answered a call (``ok``, its process at ``load`` cores), or failed
+        or timed out: it is skipped for ``down_s``, and unless it was the ``last`` of the
+        order the call fails over."""
         self.in_flight[i] -= 1
         if ok:
             self._down_until[i] = float("-inf")
+            self._busy_until[i] = self.clock() + self.load_ttl_s if load >= self.busy_load else float("-inf")
             return
         self._down_until[i] = self.clock() + self.down_s
         if not last:

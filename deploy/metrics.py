@@ -79,6 +79,7 @@ def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         reasons.update(s.get("decisions_by_reason", {}))
     merged["decisions_by_reason"] = dict(reasons)
     merged["peer_staleness_ms_by_router"] = [s.get("peer_staleness_ms") or {} for s in stats]
+    merged["cpu_load_by_router"] = [s.get("cpu_load", 0.0) for s in stats]
     return merged
 
 
@@ -167,6 +168,11 @@ def _router_families(
             g.add_metric([model_name, rid], float(count))
         yield g
         yield _staleness_family(model_name, router.get("peer_staleness_ms_by_router", []))
+        g = GaugeMetricFamily("kvroute:router_cpu_cores", "Each router actor's CPU use, in cores (the ingresses pass over "
+                              "a router from 0.8).", labels=[*labels, "router"])  # fmt: skip
+        for i, load in enumerate(router.get("cpu_load_by_router", [])):
+            g.add_metric([model_name, str(i)], float(load))
+        yield g
     if fallbacks is not None:
         c = CounterMetricFamily("kvroute:router_fallbacks", "Requests routed without the router (power of two).", labels=labels)
         c.add_metric([model_name], float(fallbacks))
@@ -177,8 +183,8 @@ def _router_families(
         c.add_metric([model_name], float(failovers))
         yield c
     if spills is not None:
-        c = CounterMetricFamily("kvroute:router_spills", "Requests ranked by a later router while the first had too many "
-                                "of this process's calls unanswered.", labels=labels)  # fmt: skip
+        c = CounterMetricFamily("kvroute:router_spills", "Requests ranked by a later router while the first was busy "
+                                "(too many of this process's calls unanswered, or its CPU near one core).", labels=labels)  # fmt: skip
         c.add_metric([model_name], float(spills))
         yield c
     if accuracy is not None:

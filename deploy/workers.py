@@ -238,7 +238,7 @@ class WorkersBackend:
                 log.warning("router %d did not rank: %r", i, exc)
                 self._choice.answered(i, False, last=k + 1 == len(order))
                 continue
-            self._choice.answered(i, True)
+            self._choice.answered(i, True, load=ranking.router_load)
             PROCESS_STATS["ranked"] += 1
             return ranking
         PROCESS_STATS["fallbacks"] += 1

@@ -27,9 +27,11 @@ spread evenly over ``num_ingresses`` (default: one per router), and a request's 
 is chosen by ``router_choice``: ``"own"``, each ingress its own router (the peers' way,
 and kvroute's first design); ``"first"``, kvroute's ``cluster/router_choice.py``: every
 ingress asks the routers in one order and passes over a router with ``spill_at`` of its
-decisions unanswered. A router takes ``router_decision_s`` per decision, in order (its
-queue: what makes one router too few past 1 / ``router_decision_s`` requests/s); the
-request is routed when its decision is made, and its TTFT counts the wait.
+decisions unanswered or whose last answer reported it busy (its share of the last
+``LOAD_SAMPLE_S`` spent deciding, as ``RouterService.load`` reports its CPU). A router
+takes ``router_decision_s`` per decision, in order (its queue: what makes one router
+too few past 1 / ``router_decision_s`` requests/s); the request is routed when its
+decision is made, and its TTFT counts the wait.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
 from kvroute.benchmarks.workloads import RequestSpec, Workload
 from kvroute.replica.block_hash import HashSpec, hash_blocks
-from kvroute.cluster.router_choice import SPILL_AT, RouterChoice
+from kvroute.cluster.router_choice import LOAD_SAMPLE_S, SPILL_AT, RouterChoice
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.reuse import ReuseAccount
@@ -136,6 +138,7 @@ class Simulation:
         self._choices = [RouterChoice(config.num_routers, self.router_stats, config.spill_at)
                          for _ in range(config.num_ingresses or config.num_routers)]  # fmt: skip
         self._busy_until = [0.0] * config.num_routers  # each router's decisions queue
+        self._router_load = [[0.0, 0.0, 0.0] for _ in range(config.num_routers)]  # load, sampled at, busy s then
         self.decisions_per_router = [0] * config.num_routers
         self._add(list(self.replicas)[: config.num_replicas - config.joining_replicas])
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -178,7 +181,7 @@ class Simulation:
                 self._arrive(payload)
             elif kind == _DECIDE:
                 spec, ingress, k, arrival_s = payload
-                self._choices[ingress].answered(k, True)
+                self._choices[ingress].answered(k, True, load=self._load(k))
                 self._route(spec, k, arrival_s)
             elif kind == _STEP_END:
                 self._step_end(payload)
@@ -206,6 +209,15 @@ class Simulation:
         self._choices[ingress].asking(k)
         self._busy_until[k] = max(self.now, self._busy_until[k]) + self.config.router_decision_s
         self._push(self._busy_until[k], _DECIDE, (spec, ingress, k, self.now))
+
+    def _load(self, k: int) -> float:
+        """Router ``k``'s share of the last interval of at least ``LOAD_SAMPLE_S`` spent
+        deciding (``RouterService.load``'s CPU use)."""
+        sample = self._router_load[k]
+        busy = self.decisions_per_router[k] * self.config.router_decision_s
+        if self.now - sample[1] >= LOAD_SAMPLE_S:
+            sample[:] = [(busy - sample[2]) / (self.now - sample[1]), self.now, busy]
+        return sample[0]
 
     def _route(self, spec: RequestSpec, k: int, arrival_s: float, first_token_s: float | None = None) -> None:
         """Router ``k`` routes ``spec`` and it is queued; a retry passes its original

@@ -150,3 +150,21 @@ def test_the_flusher_sends_the_last_decisions_before_a_lull():
     while a._queued.is_set() and time.monotonic() < deadline:  # noqa: SLF001
         time.sleep(0.005)
     assert not a._queued.is_set()  # noqa: SLF001  (the thread now sleeps until the next decision)
+
+
+def test_a_ranking_reports_the_router_process_cpu_use():
+    """The figure the ingresses spill by: the process's CPU over the last interval of at
+    least LOAD_SAMPLE_S, near one core while it computes, near none while it sleeps."""
+    import time
+
+    from kvroute.cluster.router_choice import LOAD_SAMPLE_S
+
+    svc = _service()
+    svc.register("a", SPEC, 100, [], 0)
+    end = time.monotonic() + 1.5 * LOAD_SAMPLE_S
+    while time.monotonic() < end:  # this process busy: one core
+        svc.rank([BlockHash(11)], 5, ["a"])
+    assert svc.rank([BlockHash(11)], 5, ["a"]).router_load > 0.5
+    time.sleep(1.5 * LOAD_SAMPLE_S)
+    idle = svc.rank([BlockHash(11)], 5, ["a"])
+    assert idle.router_load < 0.3 and svc.stats()["cpu_load"] == pytest.approx(idle.router_load, abs=1e-3)

@@ -59,3 +59,22 @@ def test_bad_arguments_are_refused():
         RouterChoice(0)
     with pytest.raises(ValueError, match="spill_at"):
         RouterChoice(2, spill_at=0)
+
+
+def test_a_router_reporting_its_cpu_near_one_core_is_passed_over_until_the_report_expires():
+    """Many ingresses can fill a router's queue with few calls each: its own CPU says so."""
+    from kvroute.cluster.router_choice import LOAD_TTL_S
+
+    clock, stats = Clock(), {}
+    c = RouterChoice(3, stats, clock=clock)
+    c.asking(0)
+    c.answered(0, True, load=0.95)
+    assert c.order() == [1, 2, 0] and stats["spills"] == 1
+    c.asking(1)
+    c.answered(1, True, load=0.3)
+    assert c.order()[0] == 1
+    clock.now += LOAD_TTL_S  # the report expired: asked again, and it reports afresh
+    assert c.order() == [0, 1, 2]
+    c.asking(0)
+    c.answered(0, True, load=0.5)
+    assert c.order()[0] == 0 and stats["spills"] == 2
