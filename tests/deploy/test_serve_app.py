@@ -100,6 +100,10 @@ def test_metrics_cover_every_replica_and_the_router(app):
     value = {f: fams[f].samples[0].value for f in ("kvroute:predicted_cached_tokens", "kvroute:actual_cached_tokens",
                                                     "kvroute:routed_requests", "kvroute:router_fallbacks")}
     assert value["kvroute:routed_requests"] >= 4 and value["kvroute:router_fallbacks"] == 0
+    # the one router's CPU use (what the ingresses spill by), a real figure of its process
+    (cpu,) = fams["kvroute:router_cpu_cores"].samples
+    assert cpu.labels["router"] == "0" and 0.0 <= cpu.value < 2.0
+    assert fams["kvroute:router_spills"].samples[0].value == 0
     assert value["kvroute:predicted_cached_tokens"] > 0
     assert value["kvroute:actual_cached_tokens"] == value["kvroute:predicted_cached_tokens"]
     reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
