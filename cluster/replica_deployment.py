@@ -57,7 +57,13 @@ class _RouterLink:
     router numbers this replica's batches on its own, and a router that restarts gets a
     snapshot while the others go on), at most one message in flight, a heartbeat when
     idle, and a fresh registration whenever that router does not know the replica or
-    saw a gap."""
+    saw a gap. A router standing by (one that has not ranked lately: the ingresses ask
+    the first router while it keeps up) answers a push with how long it can wait
+    (``standby_push_s``); unless it is this replica's first router that answers, the
+    link then holds its changes that long, folding them into one push. Eight routers fed
+    every change cost 16 emulated replicas 0.3 cores more than one router did, and the
+    routers 0.36 cores more, on a 2-core box.
+    """
 
     def __init__(self, replica: "EngineReplica", actor: Any) -> None:
         self.replica, self.actor = replica, actor
@@ -97,6 +103,9 @@ class _RouterLink:
                 if not ok:  # unknown to the router (it restarted) or a gap: resend everything
                     self.registered = False
                     self.changed.set()
+                    continue
+                if ok is not True and r.first_router() is not self:  # a standby: fold changes meanwhile
+                    await asyncio.sleep(float(ok))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # router down or restarting: register again when it is back
@@ -135,6 +144,11 @@ class EngineReplica:
         self._tasks.append(loop.create_task(self._metrics_loop()))
         if self.adapters is not None:
             self._tasks.append(loop.create_task(self._lora_loop()))
+
+    def first_router(self) -> _RouterLink | None:
+        """The link to the first router this replica is registered with: the one the
+        ingresses ask first, fed every change even while it stands by."""
+        return next((link for link in self.links if link.registered), None)
 
     # ------------------------------------------------------------------ serving
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:

@@ -39,6 +39,7 @@ from kvroute.cluster.router_choice import LOAD_SAMPLE_S
 
 log = logging.getLogger(__name__)
 
+ACTIVE_S = 5.0  # a router that ranked within this long is deciding; else it stands by
 PEER_FLUSH_S = 0.002  # a router sends its peers its decisions at least this often while it decides
 # One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time, LoRA adapter.
 PeerDecision = tuple[str, Sequence[BlockHash], int, int, float, "str | None"]
@@ -53,6 +54,7 @@ class RouterService:
         replica_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         share: Callable[[list[PeerDecision]], None] | None = None,
+        standby_push_s: float = 0.0,
     ) -> None:
         self.hash_spec = hash_spec
         self.policy, self.policy_kwargs = policy, dict(policy_kwargs or {})
@@ -62,7 +64,10 @@ class RouterService:
         self._last_seen: dict[str, float] = {}
         self._next_expiry_check = 0.0
         self.started_at = clock()
-        self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0}
+        self.standby_push_s = standby_push_s
+        self._last_rank = float("-inf")
+        self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0,
+                         "pushes": 0}  # fmt: skip
         self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
         self._share = share
         self._share_lock = threading.Lock()
@@ -109,15 +114,22 @@ class RouterService:
         self._last_seen[replica_id] = self.clock()
         self.counters["registrations"] += 1
 
-    def push(self, batch: KVEvents) -> bool:
+    def push(self, batch: KVEvents) -> bool | float:
         """Apply one coalesced batch. False: the router does not know this replica or
-        saw a gap in its ``seq``; the replica must ``register`` again with a snapshot."""
+        saw a gap in its ``seq``; the replica must ``register`` again with a snapshot.
+        Else True, or, from a router standing by (it has not ranked for ``ACTIVE_S``),
+        ``standby_push_s``: the replica may hold its next changes that long."""
         self._flush_peers(force=True)
+        self.counters["pushes"] += 1
         rid = batch.replica_id
         if rid not in self.router.directory:
             return False
         self._last_seen[rid] = self.clock()
-        return self.router.apply(batch)
+        if not self.router.apply(batch):
+            return False
+        if self.standby_push_s > 0 and self.clock() - self._last_rank >= ACTIVE_S:
+            return self.standby_push_s
+        return True
 
     def report_load(self, replica_id: str, load: LoadFigures) -> bool:
         """An external worker's load figures (``deploy/worker_pool.py`` polls its
@@ -166,6 +178,7 @@ class RouterService:
         """Order ``candidates`` for one request (of LoRA adapter ``lora_name``); unknown
         candidates (not registered yet, e.g. a replica that just started) go last, in
         random order."""
+        self._last_rank = self.clock()
         self._expire_silent()
         known, unknown = self.router.directory.known(candidates)
         random.shuffle(unknown)
@@ -261,8 +274,9 @@ class _PeeredRouterService(RouterService):
 
     def __init__(self, config: ClusterConfig, name: str) -> None:
         peers = [n for n in config.router_actor_names if n != name]
+        # a standby hears each replica four times per replica_timeout_s (a sign of life)
         super().__init__(config.hash_spec, config.router_policy, config.router_policy_kwargs, config.replica_timeout_s,
-                         share=self._send if peers else None)  # fmt: skip
+                         share=self._send if peers else None, standby_push_s=config.replica_timeout_s / 4 if peers else 0.0)  # fmt: skip
         self._peer_names = peers
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         if peers:

@@ -306,6 +306,13 @@ def test_two_active_routers_share_one_view_and_a_dead_one_fails_over(ray_cluster
         decided = [ray.get(r.stats.remote()) for r in routers]
         assert sum(s["decisions"] for s in decided) >= 1 and sum(s["peer_decisions"] for s in decided) >= 1
         mine = next(i for i, s in enumerate(decided) if s["decisions"])  # the router this process asks first
+        assert mine == 0 and decided[1]["decisions"] == 0  # every process asks the first router first
+        # the second stands by: the replicas fold their changes and heartbeats for it
+        # (replica_timeout_s / 4 = 0.75 s) where the first hears every heartbeat (0.2 s)
+        pushes = [ray.get(r.stats.remote())["pushes"] for r in routers]
+        time.sleep(3.0)
+        pushes = [ray.get(r.stats.remote())["pushes"] - p for r, p in zip(routers, pushes)]
+        assert pushes[0] >= 2 * pushes[1] > 0, pushes
         other = routers[1 - mine]
         before = ray.get(other.stats.remote())["decisions"]
         params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

@@ -168,3 +168,23 @@ def test_a_ranking_reports_the_router_process_cpu_use():
     time.sleep(1.5 * LOAD_SAMPLE_S)
     idle = svc.rank([BlockHash(11)], 5, ["a"])
     assert idle.router_load < 0.3 and svc.stats()["cpu_load"] == pytest.approx(idle.router_load, abs=1e-3)
+
+
+def test_a_router_that_does_not_rank_lets_its_feeds_wait():
+    """A standby (no rank for ACTIVE_S) answers a push with standby_push_s; a router
+    that ranks, or one without a standby interval, with True; a gap is still False."""
+    from kvroute.cluster.router_actor import ACTIVE_S
+
+    t = [0.0]
+    svc = RouterService(SPEC, "kvroute", replica_timeout_s=30.0, clock=lambda: t[0], standby_push_s=2.0)
+    svc.register("a", SPEC, 100, [], 0)
+    assert svc.push(KVEvents("a", 1, [BlockHash(1)])) == 2.0
+    svc.rank([BlockHash(1)], 5, ["a"])
+    assert svc.push(KVEvents("a", 2)) is True
+    t[0] += ACTIVE_S
+    assert svc.push(KVEvents("a", 3)) == 2.0 and svc.directory("a") == [1]
+    assert svc.push(KVEvents("a", 5)) is False  # seq 4 lost: register again, standby or not
+    assert svc.stats()["pushes"] == 4
+    plain = _service()  # standby_push_s 0 (a lone router): never asks to wait
+    plain.register("a", SPEC, 10, [], 0)
+    assert plain.push(KVEvents("a", 1)) is True
