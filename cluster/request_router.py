@@ -126,23 +126,18 @@ class KVRouteRequestRouter(RequestRouter):
         """The first router (in ``RouterChoice``'s order) that answers in time."""
         if self._choice is None:
             raise RuntimeError("no router actor configured")
-        order = self._choice.order()
-        for k, i in enumerate(order):
-            self._choice.asking(i)
-            try:
-                ranking = await self._ask(self._names[i], request, candidates)
-            except Exception:
-                self._choice.answered(i, False, last=k + 1 == len(order))
-                self._actors.pop(self._names[i], None)
-                if k + 1 == len(order):
-                    raise
-                continue
-            self._choice.answered(i, True, load=ranking.router_load)
-            _process_stats()["ranked"] += 1
-            return ranking
-        raise AssertionError("unreachable: the order is never empty")
+        ranking = await self._choice.first_answer(lambda i: self._ask(self._names[i], request, candidates))
+        _process_stats()["ranked"] += 1
+        return ranking
 
     async def _ask(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
+        try:
+            return await self._ask_once(name, request, candidates)
+        except Exception:
+            self._actors.pop(name, None)  # looked up again next time
+            raise
+
+    async def _ask_once(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
         actor = self._actors.get(name)
         if actor is None:
             actor = self._actors[name] = await asyncio.wait_for(

@@ -29,7 +29,9 @@ busy, they are asked in order all the same.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
 
 SPILL_AT = 4  # a router with this many of the process's calls unanswered is passed over
 BUSY_LOAD = 0.8  # ... or one whose process reported this many cores of CPU use
@@ -80,3 +82,20 @@ class RouterChoice:
         self._down_until[i] = self.clock() + self.down_s
         if not last:
             self.stats["failovers"] += 1
+
+    async def first_answer(self, call: Callable[[int], Awaitable[T]]) -> T:
+        """``await call(i)`` on the routers in ``order()`` until one answers (its
+        ``router_load``, when it has one, noted); the last router's error when none does."""
+        order = self.order()
+        for k, i in enumerate(order):
+            self.asking(i)
+            try:
+                answer = await call(i)
+            except Exception:
+                self.answered(i, False, last=k + 1 == len(order))
+                if k + 1 == len(order):
+                    raise
+                continue
+            self.answered(i, True, load=getattr(answer, "router_load", 0.0))
+            return answer
+        raise AssertionError("unreachable: the order is never empty")

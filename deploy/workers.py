@@ -229,20 +229,20 @@ class WorkersBackend:
     async def _rank(self, hashes: list, num_tokens: int, candidates: list[str], lora_name: Optional[str]) -> Ranking:
         """The first router (in ``RouterChoice``'s order) that answers within a second;
         none: a random order (counted as a fallback)."""
-        order = self._choice.order()
-        for k, i in enumerate(order):
-            self._choice.asking(i)
+        async def ask(i: int) -> Ranking:
             try:
-                ranking = await asyncio.wait_for(self.routers[i].rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
+                return await asyncio.wait_for(self.routers[i].rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
             except Exception as exc:
                 log.warning("router %d did not rank: %r", i, exc)
-                self._choice.answered(i, False, last=k + 1 == len(order))
-                continue
-            self._choice.answered(i, True, load=ranking.router_load)
-            PROCESS_STATS["ranked"] += 1
-            return ranking
-        PROCESS_STATS["fallbacks"] += 1
-        return Ranking(random.sample(candidates, len(candidates)), 0, "fallback")
+                raise
+
+        try:
+            ranking = await self._choice.first_answer(ask)
+        except Exception:
+            PROCESS_STATS["fallbacks"] += 1
+            return Ranking(random.sample(candidates, len(candidates)), 0, "fallback")
+        PROCESS_STATS["ranked"] += 1
+        return ranking
 
     def _account(self, ranking: Ranking, wid: str, usage: Optional[dict[str, Any]]) -> None:
         """Decision quality (``/metrics``) from a whole answer's usage."""

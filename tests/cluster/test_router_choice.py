@@ -78,3 +78,24 @@ def test_a_router_reporting_its_cpu_near_one_core_is_passed_over_until_the_repor
     c.asking(0)
     c.answered(0, True, load=0.5)
     assert c.order()[0] == 0 and stats["spills"] == 2
+
+
+def test_first_answer_fails_over_and_raises_only_when_no_router_answers():
+    import asyncio
+
+    stats: dict[str, int] = {}
+    c = RouterChoice(2, stats)
+
+    async def dead_first(i):
+        if i == 0:
+            raise TimeoutError("router 0 down")
+        return i
+
+    assert asyncio.run(c.first_answer(dead_first)) == 1 and stats["failovers"] == 1
+    assert c.in_flight == [0, 0] and c.order() == [1]
+
+    async def none(i):
+        raise TimeoutError(f"router {i} down")
+
+    with pytest.raises(TimeoutError, match="router 1 down"):
+        asyncio.run(c.first_answer(none))
