@@ -143,8 +143,9 @@ def _join_ray(args: argparse.Namespace) -> None:
         pass  # a caller (a test, a notebook) already joined a cluster
     elif address:
         ray.init(address=address, logging_level="warning")
-    else:  # logical CPUs: room for every replica and the ingress even on a small machine
-        need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 2))
+    else:  # logical CPUs: room for every replica, ingress and router even on a small machine
+        routers = args.num_routers or args.ingresses
+        need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 0.5 * routers + 0.1 * args.ingresses + 2))
         # address="local": a new cluster even where an old `ray start` left its address behind
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})

@@ -47,6 +47,15 @@ class ClusterConfig:
     replica_timeout_s: float = 10.0  # the router forgets a replica silent this long
     graceful_shutdown_timeout_s: float = 30.0
     max_resume_attempts: int = 3  # per request, after a replica dies mid-stream
+    # Each router actor reserves this much CPU (a router under full load uses up to ~0.8
+    # of a core: the ingresses pass it over from there), and the routers are spread over
+    # the nodes, so one node's loss leaves the others' routers with the whole directory.
+    router_num_cpus: float = 0.5
+    # An application actor (router, worker pool) that no replica, worker or ingress of its
+    # generation has called for this long ends itself: what a redeploy with a changed
+    # config or a ``serve delete`` leaves behind goes away without an operator.
+    idle_exit_s: float = 60.0
+    call_timeout_s: float = 5.0  # every call between the application's actors (register, push, reports)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -71,7 +80,12 @@ class ClusterConfig:
 
         if self.router_policy not in policy_names():
             raise ValueError(f"router_policy must be one of {policy_names()}, got {self.router_policy!r}")
-        for name in ("router_timeout_s", "heartbeat_s", "replica_timeout_s", "graceful_shutdown_timeout_s"):
+        if self.router_num_cpus < 0:
+            raise ValueError(f"router_num_cpus must be >= 0, got {self.router_num_cpus}")
+        if self.idle_exit_s <= self.replica_timeout_s:
+            raise ValueError(f"idle_exit_s={self.idle_exit_s} must exceed replica_timeout_s={self.replica_timeout_s}")
+        for name in ("router_timeout_s", "heartbeat_s", "replica_timeout_s", "graceful_shutdown_timeout_s",
+                     "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replica_timeout_s <= 2 * self.heartbeat_s:
@@ -94,9 +108,32 @@ class ClusterConfig:
         return HashSpec(self.engine.block_size, self.engine.hash_seed, self.engine.model)
 
     @property
+    def generation(self) -> str:
+        """A digest of every field the replicas and the router actors are built with,
+        leaving out those a running fleet adopts in place: the replica count and
+        autoscaling (Serve rescales), the Serve request router, and the router policy
+        (each new ingress hands its policy to the routers). Two builds of one config
+        have one generation, so a redeploy keeps the routers, the replicas and their
+        caches; any other change starts a new generation of both, side by side with the
+        old one until the old one drains."""
+        import hashlib
+
+        neutral = dataclasses.replace(
+            self, num_replicas=1, autoscaling_config=None, request_router="kvroute", router_policy="kvroute",
+            router_policy_kwargs={},
+        )
+        return hashlib.sha256(repr(neutral).encode()).hexdigest()[:16]
+
+    def actor_name(self, role: str) -> str:
+        """The name of one of the application's detached actors (``router``,
+        ``workers``): keyed by the application and its generation, so a changed config
+        never reuses an actor built for the old one."""
+        return f"kvroute-{role}:{self.app_name}@{self.generation[:10]}"
+
+    @property
     def router_actor_name(self) -> str:
         """The first router actor's name (the only one when ``num_routers`` is 1)."""
-        return f"kvroute-router:{self.app_name}"
+        return self.actor_name("router")
 
     @property
     def router_actor_names(self) -> list[str]:

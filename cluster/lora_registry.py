@@ -2,7 +2,8 @@
 (ARCHITECTURE.md §2, LoRA adapters in the Serve application).
 
 ``LoRARegistry`` (plain; ``LoRARegistryActor`` is it as a detached Ray actor named
-``kvroute-router:<app>:loras``, so ``kill_router_actors`` ends it with the routers) is
+``kvroute-loras:<app>``, one for every generation of the application;
+``kill_router_actors`` ends it with the routers) is
 the fleet's list of adapters, ``{name: folder}``: the engine config's ``lora_modules``
 from the start, then what the ingresses add (``POST /v1/load_lora_adapter``, or an
 adapter of the ``dynamic_lora_loading_path`` on first use) and remove. Every replica
@@ -109,6 +110,14 @@ class LoRARegistry:
         self._save()
         return known is None
 
+    def adopt(self, modules: Mapping[str, str]) -> None:
+        """A (re)deployed config's ``lora_modules``: listed, under the config's folders."""
+        for name, path in modules.items():
+            check_adapter_name(name)
+        if any(self.modules.get(name) != path for name, path in modules.items()):
+            self.modules.update(modules)
+            self._save()
+
     def remove(self, name: str) -> bool:
         removed = self.modules.pop(name, None) is not None
         self._save()
@@ -128,14 +137,19 @@ LoRARegistryActor = ray.remote(num_cpus=0, max_restarts=-1)(LoRARegistry)
 
 
 def lora_registry_name(config: ClusterConfig) -> str:
-    return f"{config.router_actor_name}:loras"
+    """Keyed by the application alone: every generation of it serves the same adapters."""
+    return f"kvroute-loras:{config.app_name}"
 
 
 def get_or_create_lora_registry(config: ClusterConfig) -> ray.actor.ActorHandle:
-    """The application's registry, created on first use (detached, like the routers)."""
-    return LoRARegistryActor.options(
+    """The application's registry, created on first use (detached, like the routers);
+    one kept from an earlier deploy adopts this config's ``lora_modules``."""
+    handle = LoRARegistryActor.options(
         name=lora_registry_name(config), namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True
     ).remote(dict(config.engine.lora_modules), lora_registry_name(config))
+    if config.engine.lora_modules:
+        handle.adopt.remote(dict(config.engine.lora_modules))
+    return handle
 
 
 def _same(a: str | None, b: str | None) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -70,6 +71,7 @@ class _RouterLink:
         self.publisher = EventPublisher(replica.replica_id)
         self.changed = asyncio.Event()
         self.registered = False
+        self.refused: str | None = None  # why the router refused this replica (logged once)
 
     def add(self, events: KVEvents) -> None:
         self.publisher.add(events)
@@ -79,8 +81,17 @@ class _RouterLink:
     async def register(self) -> None:
         r, e = self.replica, self.replica.engine
         hashes, host_hashes, load, seq = await e.cache_snapshot(self.publisher.snapshot_seq)
-        await self.actor.register.remote(r.replica_id, e.hash_spec, e.num_kv_blocks, hashes, seq, load,
-                                         e.num_host_kv_blocks, host_hashes)  # fmt: skip
+        call = self.actor.register.remote(r.replica_id, e.hash_spec, e.num_kv_blocks, hashes, seq, load,
+                                          e.num_host_kv_blocks, host_hashes)  # fmt: skip
+        try:
+            await asyncio.wait_for(call, r.config.call_timeout_s)
+        except ValueError as exc:  # refused (Ray wraps the router's ValueError): say so, once
+            reason = str(getattr(exc, "cause", None) or exc)
+            if reason != self.refused:
+                log.warning("replica %s: a router refused its registration: %s", r.replica_id, reason)
+            self.refused = reason
+            raise
+        self.refused = None
         self.registered = True
         r.counters["registrations"] += 1
 
@@ -98,7 +109,7 @@ class _RouterLink:
                 if not self.registered:
                     await self.register()
                     continue
-                ok = await self.actor.push.remote(self.publisher.take())
+                ok = await asyncio.wait_for(self.actor.push.remote(self.publisher.take()), r.config.call_timeout_s)
                 r.counters["pushes"] += 1
                 if not ok:  # unknown to the router (it restarted) or a gap: resend everything
                     self.registered = False
@@ -108,11 +119,12 @@ class _RouterLink:
                     await asyncio.sleep(float(ok))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # router down or restarting: register again when it is back
+            except Exception as exc:  # router down, restarting or refusing: register again later
                 self.registered = False
                 r.counters["push_failures"] += 1
-                log.info("replica %s: router unreachable (%r); retrying", r.replica_id, exc)
-                await asyncio.sleep(min(r.config.heartbeat_s, 0.2))
+                if self.refused is None:
+                    log.info("replica %s: router unreachable (%r); retrying", r.replica_id, exc)
+                await asyncio.sleep(r.config.heartbeat_s if self.refused is not None else min(r.config.heartbeat_s, 0.2))
 
 
 class EngineReplica:
@@ -122,6 +134,7 @@ class EngineReplica:
     async def __init__(self, config: ClusterConfig, engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.util.get_node_ip_address()
         engine_config = dataclasses.replace(config.engine, replica_id=self.replica_id)
         if engine_factory is None:
             self.engine = await model_engine(engine_config, config.torch_threads_per_replica)
@@ -138,7 +151,8 @@ class EngineReplica:
             self.adapters = ReplicaAdapters(self.engine, get_or_create_lora_registry(config), config.engine.max_cpu_loras)
             await self.adapters.sync()
         # traffic routed by the directory can come at once: every router knows this replica
-        await asyncio.gather(*(link.register() for link in self.links), return_exceptions=True)
+        await asyncio.gather(*(asyncio.wait_for(link.register(), 2 * config.call_timeout_s) for link in self.links),
+                             return_exceptions=True)  # fmt: skip
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(link.publish_loop()) for link in self.links]
         self._tasks.append(loop.create_task(self._metrics_loop()))
@@ -223,7 +237,7 @@ class EngineReplica:
         while not self.closing:
             await asyncio.sleep(period)
             try:
-                report = await self.engine.metrics_report()
+                report = {**await self.engine.metrics_report(), "node": self.node}
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -231,7 +245,8 @@ class EngineReplica:
                 continue
             for link in self.links:
                 try:
-                    await link.actor.report_metrics.remote(self.replica_id, report)
+                    await asyncio.wait_for(link.actor.report_metrics.remote(self.replica_id, report),
+                                           self.config.call_timeout_s)  # fmt: skip
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # router restarting: the next round retries
@@ -259,17 +274,11 @@ def request_router_config(config: ClusterConfig) -> RequestRouterConfig:
 
 
 def replica_version(config: ClusterConfig) -> str:
-    """A Serve deployment ``version`` for ``config`` that ignores the scaling and router
-    fields: redeploying with only those changed (another ``request_router_config`` or
-    ``router_policy``) keeps the running replicas and their caches (Serve only
-    reconfigures them), while any engine change gives a new version (new replicas)."""
-    import hashlib
-
-    neutral = dataclasses.replace(
-        config, num_replicas=1, autoscaling_config=None, request_router="kvroute", router_policy="kvroute",
-        router_policy_kwargs={},
-    )
-    return hashlib.sha256(repr(neutral).encode()).hexdigest()[:16]
+    """A Serve deployment ``version`` for ``config``: its generation, which ignores the
+    scaling and router fields, so redeploying with only those changed (another
+    ``request_router_config`` or ``router_policy``) keeps the running replicas and their
+    caches (Serve only reconfigures them), while any engine change gives new replicas."""
+    return config.generation
 
 
 def build_engine_deployment(

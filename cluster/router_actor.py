@@ -69,6 +69,7 @@ class RouterService:
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0,
                          "pushes": 0}  # fmt: skip
         self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
+        self._ingresses: dict[str, tuple[float, dict[str, Any]]] = {}  # ingress id -> (when, its latest report)
         self._share = share
         self._share_lock = threading.Lock()
         self._outbox: list[PeerDecision] = []
@@ -76,6 +77,8 @@ class RouterService:
         self._last_share = 0.0
         self._staleness_s: deque[float] = deque(maxlen=2048)  # age of the peers' decisions on arrival
         self._load, self._load_at, self._load_cpu = 0.0, time.monotonic(), time.process_time()
+        self.last_call = time.monotonic()  # the last call of a replica, worker pool or ingress
+        self.refused: dict[str, str] = {}  # replica id -> why its registration was refused
 
     def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
         """Start over with an empty directory (and optionally another policy): every
@@ -101,13 +104,18 @@ class RouterService:
         host_hashes: Sequence[BlockHash] = (),
     ) -> None:
         """Add (or refresh) a replica with a snapshot of its cache (both tiers) as of
-        event ``seq``."""
+        event ``seq``. ValueError (and the replica listed in ``health()``) when it hashes
+        blocks otherwise than this router."""
+        self.last_call = time.monotonic()
         if hash_spec != self.hash_spec:
-            raise ValueError(
+            self.refused[replica_id] = (
                 f"replica {replica_id} hashes blocks with {hash_spec}, but this router expects "
                 f"{self.hash_spec}: every replica of an application must use the same model, "
                 "block_size and hash_seed"
             )
+            log.warning("%s", self.refused[replica_id])
+            raise ValueError(self.refused[replica_id])
+        self.refused.pop(replica_id, None)
         if replica_id not in self.router.directory:
             self.router.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
         self.router.apply_snapshot(replica_id, block_hashes, seq, load, host_hashes)
@@ -121,6 +129,7 @@ class RouterService:
         ``standby_push_s``: the replica may hold its next changes that long."""
         self._flush_peers(force=True)
         self.counters["pushes"] += 1
+        self.last_call = time.monotonic()
         rid = batch.replica_id
         if rid not in self.router.directory:
             return False
@@ -134,6 +143,7 @@ class RouterService:
     def report_load(self, replica_id: str, load: LoadFigures) -> bool:
         """An external worker's load figures (``deploy/worker_pool.py`` polls its
         ``/metrics``); it counts as a sign of life. False: unknown here, register it."""
+        self.last_call = time.monotonic()
         if not self.router.report_load(replica_id, load):
             return False
         self._last_seen[replica_id] = self.clock()
@@ -179,6 +189,7 @@ class RouterService:
         candidates (not registered yet, e.g. a replica that just started) go last, in
         random order."""
         self._last_rank = self.clock()
+        self.last_call = time.monotonic()
         self._expire_silent()
         known, unknown = self.router.directory.known(candidates)
         random.shuffle(unknown)
@@ -236,6 +247,29 @@ class RouterService:
             return {}
         return {"p50": 1e3 * statistics.median(ages), "p99": 1e3 * ages[min(len(ages) - 1, int(0.99 * len(ages)))]}
 
+    # ------------------------------------------------------------------ lifecycle
+    def adopt(self, policy: str, policy_kwargs: dict[str, Any] | None = None) -> bool:
+        """Route with ``policy`` from now on, keeping the directory and the load view (a
+        redeploy that changes only the policy keeps every replica and its cache). A
+        change of the Router's own settings (``pending_ttl_s``) starts it over like
+        ``reset``. True when something changed."""
+        kwargs = dict(policy_kwargs or {})
+        if (policy, kwargs) == (self.policy, self.policy_kwargs):
+            return False
+        if kwargs.get("pending_ttl_s") != self.policy_kwargs.get("pending_ttl_s"):
+            self.reset(policy, kwargs)
+        else:
+            self.router.set_policy(policy, kwargs)
+            self.policy, self.policy_kwargs = policy, kwargs
+        log.warning("router now routes with policy %s %s", policy, kwargs)
+        return True
+
+    def health(self) -> dict[str, Any]:
+        """What ``/health`` shows of this router: its replicas, and those it refused."""
+        self.last_call = time.monotonic()
+        self._expire_silent()
+        return {"replicas": len(self.router.replicas()), "refused": dict(self.refused), "policy": self.policy}
+
     # ------------------------------------------------------------------ introspection
     def replicas(self) -> list[str]:
         return list(self.router.replicas())
@@ -262,11 +296,23 @@ class RouterService:
         self._metrics[replica_id] = report
         return True
 
+    def report_ingress(self, ingress_id: str, report: dict[str, Any]) -> None:
+        """An ingress's own counters (``deploy/metrics.py``'s ``ingress_report``), about
+        once a second; also its sign of life."""
+        self.last_call = time.monotonic()
+        self._ingresses[ingress_id] = (self.last_call, report)
+
     def metrics(self) -> dict[str, Any]:
-        """Every registered replica's latest metrics report and the router's stats: what
-        the HTTP ingress renders at ``/metrics``."""
+        """Every registered replica's latest metrics report, every live ingress's
+        counters and the router's stats: what an HTTP ingress renders at ``/metrics``.
+        An ingress silent for ``replica_timeout_s`` is dropped (its counts with it)."""
         self._expire_silent()
-        return {"replicas": dict(self._metrics), "router": self.stats()}
+        now = time.monotonic()
+        for iid, (when, _) in list(self._ingresses.items()):
+            if now - when > self.replica_timeout_s:
+                del self._ingresses[iid]
+        return {"replicas": dict(self._metrics), "router": self.stats(),
+                "ingresses": {iid: rep for iid, (_, rep) in self._ingresses.items()}}  # fmt: skip
 
 
 class _PeeredRouterService(RouterService):
@@ -281,6 +327,26 @@ class _PeeredRouterService(RouterService):
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         if peers:
             self.start_flusher()
+        self._watch_idle(name, config.idle_exit_s)
+
+    def _watch_idle(self, name: str, idle_exit_s: float) -> None:
+        """End this actor (no restart) once nothing has called it for ``idle_exit_s``:
+        every replica heartbeats, a worker pool reports each poll and each ingress sends
+        its counters every second, so only a generation nobody uses any more goes quiet."""
+
+        def loop() -> None:
+            while True:
+                time.sleep(min(5.0, idle_exit_s / 4))
+                idle = time.monotonic() - self.last_call
+                if idle > idle_exit_s:
+                    log.warning("router %s unused for %.0f s (its application was removed or redeployed): exiting", name, idle)
+                    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                    return
+
+        threading.Thread(target=loop, name="kvroute-idle-exit", daemon=True).start()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "node": ray.util.get_node_ip_address()}
 
     def _send(self, batch: list[PeerDecision]) -> None:
         for name in self._peer_names:
@@ -293,14 +359,17 @@ class _PeeredRouterService(RouterService):
 
 
 RouterActor = ray.remote(num_cpus=0, max_restarts=-1)(RouterService)  # a lone router (benchmarks)
-PeeredRouterActor = ray.remote(num_cpus=0, max_restarts=-1)(_PeeredRouterService)
+PeeredRouterActor = ray.remote(max_restarts=-1)(_PeeredRouterService)
 
 
 def get_or_create_router_actors(config: ClusterConfig) -> list[ray.actor.ActorHandle]:
-    """The application's router actors, created on first use (detached: their life is
-    the application's, not the caller's; ``kill_router_actor`` ends one)."""
+    """The router actors of ``config``'s generation, created on first use: detached
+    (their life is the application's, not the caller's; they end themselves once unused,
+    ``kill_router_actors`` ends them at once), spread over the nodes, each reserving
+    ``router_num_cpus``."""
     return [
-        PeeredRouterActor.options(name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True)
+        PeeredRouterActor.options(name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True,
+                                  num_cpus=config.router_num_cpus, scheduling_strategy="SPREAD")
         .remote(config, name)
         for name in config.router_actor_names
     ]
@@ -312,17 +381,36 @@ def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:
 
 
 def kill_router_actors(app_name: str) -> int:
-    """Kill every router actor of application ``app_name`` (its LoRA registry too, and
-    the registry's saved state); how many there were."""
+    """Kill every detached actor of application ``app_name``, of every generation
+    (routers, worker pool, LoRA registry, and the registry's saved state); how many
+    there were."""
     from kvroute.cluster.lora_registry import delete_state, lora_registry_name
 
-    config = ClusterConfig(app_name=app_name)
-    base = config.router_actor_name
+    prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
+    registry = lora_registry_name(ClusterConfig(app_name=app_name))
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == ROUTER_NAMESPACE and (a["name"] == base or a["name"].startswith(base + ":"))]  # fmt: skip
+             if a.get("namespace") == ROUTER_NAMESPACE and (a["name"].startswith(prefixes) or a["name"] == registry)]  # fmt: skip
     killed = sum(kill_router_actor(n) for n in names)
-    delete_state(lora_registry_name(config))
+    delete_state(registry)
     return killed
+
+
+def app_router_names(app_name: str) -> list[str]:
+    """The live router actors of application ``app_name``, every generation, sorted."""
+    prefix = f"kvroute-router:{app_name}@"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == ROUTER_NAMESPACE and a["name"].startswith(prefix))  # fmt: skip
+
+
+def app_router(app_name: str, index: int = 0) -> ray.actor.ActorHandle:
+    """Router ``index`` of the one running generation of ``app_name`` (tests, operators);
+    ValueError where none or several generations run."""
+    names = app_router_names(app_name)
+    generations = {n.split("@")[1].split(":")[0] for n in names}
+    if len(generations) != 1:
+        raise ValueError(f"application {app_name!r} has {len(generations)} router generations: {names}")
+    first = min(names, key=len)
+    return ray.get_actor(first if index == 0 else f"{first}:{index}", namespace=ROUTER_NAMESPACE)
 
 
 def kill_router_actor(name: str) -> bool:

@@ -95,9 +95,12 @@ def build_api(
 
     @app.get("/health")
     async def health() -> Response:
-        if await serving.backend.ready():
-            return Response(status_code=200)
-        return JSONResponse(error_body(503, "no replica is ready"), status_code=503, headers={"Retry-After": "1"})
+        state = await serving.backend.health()
+        if state["ready"]:
+            return JSONResponse({"status": "ok", **state})
+        if state.get("refused_replicas"):
+            log.warning("/health: replicas refused by the routers: %s", state["refused_replicas"])
+        return JSONResponse({**error_body(503, "no replica is ready"), **state}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -98,6 +98,7 @@ class LLMConfig(_Strict):
     router_policy: str = "kvroute"
     router_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     num_routers: int = Field(default=1, ge=1)
+    router_num_cpus: float = Field(default=0.5, ge=0, description="CPU each router actor reserves")
     torch_threads: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("engine_kwargs")
@@ -132,6 +133,24 @@ class IngressSpec(ServerLimits):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, gt=0)
     max_ongoing_requests: int = Field(default=1024, ge=1)
+    require_api_key: bool = Field(default=False, description="refuse to start without an API key (never open by mistake)")
+
+
+def ingress_limits(parsed: "AppArgs") -> ServerLimits:
+    """The limits an ingress replica enforces, resolved in its own process: the API key
+    is ``ingress.api_key``, else ``KVROUTE_API_KEY`` in this process's environment (the
+    application's ``runtime_env.env_vars``, or the node's, e.g. a Kubernetes secret).
+    ValueError where ``require_api_key`` is set and neither gives one: the deploy fails
+    instead of serving an open API."""
+    limits = parsed.limits()
+    key = limits.api_key or os.environ.get("KVROUTE_API_KEY") or None
+    if key is None and parsed.ingress.require_api_key:
+        import socket
+
+        raise ValueError(f"ingress.require_api_key is set, but no API key reached the ingress on {socket.gethostname()}: "
+                         "set ingress.api_key, or KVROUTE_API_KEY in the application's runtime_env.env_vars or in "
+                         "the environment of every node")  # fmt: skip
+    return limits.model_copy(update={"api_key": key})
 
 
 class AppArgs(_Strict):
@@ -149,6 +168,8 @@ class AppArgs(_Strict):
     worker_poll_interval_s: float = Field(default=1.0, gt=0, description="how often each worker's /metrics is read")
 
     def cluster_config(self) -> ClusterConfig:
+        """The cluster config these args give (``hash_seed`` 0 unless pinned: the
+        application's own seed is resolved where it is built, ``compose_app``)."""
         llm = self.llm_configs[0]
         dep = llm.deployment_config
         engine = llm.engine_config()
@@ -170,9 +191,10 @@ class AppArgs(_Strict):
             router_policy=llm.router_policy,
             router_policy_kwargs=llm.router_policy_kwargs,
             num_routers=llm.num_routers,
+            router_num_cpus=llm.router_num_cpus,
             graceful_shutdown_timeout_s=dep.graceful_shutdown_timeout_s,
         )
-        return config if "hash_seed" in llm.engine_kwargs else config.with_random_hash_seed()
+        return config
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**self.ingress.model_dump(include=set(ServerLimits.model_fields)))
@@ -202,9 +224,10 @@ def router_choice(name: str) -> dict[str, Any]:
 class ClusterBackend:
     """The ``Backend`` of the Serve ingress: the failover client over the replicas."""
 
-    def __init__(self, client: KVRouteClient, router_actors: list[Any]) -> None:
+    def __init__(self, client: KVRouteClient, router_actors: list[Any], generation: str = "") -> None:
         self.client = client
         self.router_actors = router_actors
+        self.generation = generation  # the config generation this ingress was built with (ARCHITECTURE.md §5.1)
 
     async def generate(
         self,
@@ -231,15 +254,18 @@ class ClusterBackend:
         finally:
             await gen.aclose()
 
-    async def ready(self) -> bool:
-        """True once a router (any: each has the whole directory) knows a replica."""
-        for actor in self.router_actors:
-            try:
-                if await asyncio.wait_for(actor.replicas.remote(), 2.0):
-                    return True
-            except Exception:
-                continue
-        return False
+    async def health(self) -> dict[str, Any]:
+        """Ready once a router (any: each has the whole directory) knows a replica; with
+        the replicas a router refused (they serve, but routing cannot see their caches)."""
+        answers = await asyncio.gather(*(asyncio.wait_for(a.health.remote(), 2.0) for a in self.router_actors),
+                                       return_exceptions=True)  # fmt: skip
+        healthy = [a for a in answers if isinstance(a, dict)]
+        refused = {rid: why for a in healthy for rid, why in a["refused"].items()}
+        replicas = max((a["replicas"] for a in healthy), default=0)
+        policies = sorted({a["policy"] for a in healthy})
+        return {"ready": replicas > 0, "replicas": replicas, "routers": f"{len(healthy)}/{len(answers)}",
+                "generation": self.generation, "policy": ",".join(policies),
+                **({"refused_replicas": refused} if refused else {})}
 
 
 # ---------------------------------------------------------------------- ingress
@@ -260,6 +286,8 @@ class OpenAIIngress:
         tokenizer, max_model_len, vocab_size = await load_model_info(config)
         self.config = config
         self.router_actors = get_or_create_router_actors(config)
+        for actor in self.router_actors:  # a redeploy that changed only the policy: the kept routers adopt it
+            actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
         client = KVRouteClient(engine_handle, config.hash_spec, max_resume_attempts=config.max_resume_attempts)
         name = llm.model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
@@ -270,10 +298,11 @@ class OpenAIIngress:
 
             dynamic = llm.lora_config.dynamic_lora_loading_path if llm.lora_config is not None else None
             adapters = FleetAdapters(get_or_create_lora_registry(config), client, dynamic)
-        self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, ClusterBackend(client, self.router_actors),
-                                     parsed.limits(), aliases, adapters)  # fmt: skip
+        self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, ClusterBackend(client, self.router_actors, config.generation),
+                                     ingress_limits(parsed), aliases, adapters)  # fmt: skip
         self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
+        self.reporter = IngressReporter(self.router_actors, self.accuracy)
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api
@@ -281,7 +310,38 @@ class OpenAIIngress:
         return build_api(self.serving, self._metrics)
 
     async def _metrics(self) -> tuple[bytes, str]:
-        return await router_metrics(self.router_actors, self.serving.model_name, self.accuracy)
+        return await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
+
+
+class IngressReporter:
+    """Sends this ingress's counters to every router about once a second (also its
+    sign of life: a generation's routers end themselves once no ingress reports), so
+    ``/metrics`` on any ingress can add up all of them."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, router_actors: list[Any], quality: Any) -> None:
+        import ray
+
+        self.router_actors, self.quality = router_actors, quality
+        self.ingress_id = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.util.get_node_ip_address()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def report(self) -> dict[str, Any]:
+        from kvroute.cluster.request_router import PROCESS_STATS
+        from kvroute.deploy.metrics import ingress_report
+
+        return ingress_report(self.quality, PROCESS_STATS, self.node)
+
+    async def _loop(self) -> None:
+        while True:
+            report = self.report()
+            calls = [asyncio.wait_for(a.report_ingress.remote(self.ingress_id, report), 2.0) for a in self.router_actors]
+            for exc in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(exc, Exception):  # a router restarting: the next round reaches it
+                    log.debug("ingress %s: a router did not take its report: %r", self.ingress_id, exc)
+            await asyncio.sleep(self.PERIOD_S)
 
 
 async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
@@ -296,10 +356,10 @@ async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
     return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size
 
 
-async def router_metrics(router_actors: list[Any], model_name: str, accuracy: Any) -> tuple[bytes, str]:
-    """``/metrics`` of an ingress: the replicas' reports and the routers' stats."""
-    from kvroute.cluster.request_router import PROCESS_STATS
-    from kvroute.deploy.metrics import CONTENT_TYPE, merge_router_stats, render
+async def router_metrics(router_actors: list[Any], model_name: str, reporter: IngressReporter) -> tuple[bytes, str]:
+    """``/metrics`` of the application, whichever ingress renders it: the replicas'
+    reports, the routers' stats, and every ingress's counters (this one's current)."""
+    from kvroute.deploy.metrics import CONTENT_TYPE, merge_router_stats, render_app
 
     answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in router_actors),
                                    return_exceptions=True)  # fmt: skip
@@ -308,9 +368,9 @@ async def router_metrics(router_actors: list[Any], model_name: str, accuracy: An
         log.warning("a router actor did not answer for /metrics: %r", exc)
     replicas = snapshots[0]["replicas"] if snapshots else {}
     router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
-    body = render(model_name, replicas, router, accuracy, PROCESS_STATS["fallbacks"], PROCESS_STATS["failovers"],
-                  PROCESS_STATS["spills"])
-    return body, CONTENT_TYPE
+    ingresses = {iid: rep for s in snapshots for iid, rep in s["ingresses"].items()}
+    ingresses[reporter.ingress_id] = reporter.report()
+    return render_app(model_name, replicas, router, ingresses), CONTENT_TYPE
 
 
 def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:
@@ -333,6 +393,10 @@ def compose_app(
     ingress deployment's ``.options``."""
     parsed = _with_api_key(args)
     config = parsed.cluster_config()
+    if "hash_seed" not in parsed.llm_configs[0].engine_kwargs:
+        from kvroute.cluster.app_state import with_app_hash_seed
+
+        config = with_app_hash_seed(config)
     if parsed.workers is not None:
         from kvroute.deploy.workers import WorkersIngress
 

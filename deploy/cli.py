@@ -214,7 +214,7 @@ def serve_app_args(args: argparse.Namespace):
             }
         ],
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
-                    "request_timeout_s": limits.request_timeout_s},
+                    "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas},
     }  # fmt: skip
     if args.dynamic_lora_path is not None:  # serve.yaml's lora_config (enable_lora implied)
         app["llm_configs"][0]["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_path,
@@ -248,7 +248,9 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         # Logical CPUs are bookkeeping: give Ray room for every replica plus the ingress
         # even on a small machine (each replica still runs num_cpus torch threads).
-        need = int(engines * args.num_cpus_per_replica + 2)
+        config = app_args.cluster_config()
+        need = int(engines * args.num_cpus_per_replica + config.num_routers * config.router_num_cpus
+                   + app_args.ingress.num_replicas * app_args.ingress.num_cpus + 2)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
     if app_args.workers is not None:
@@ -312,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
     s.add_argument("--num-routers", type=int, default=1,
                    help="active router actors, each with the whole directory; ingresses fail over between them")
+    s.add_argument("--ingress-replicas", type=int, default=1,
+                   help="HTTP ingress replicas (Serve spreads them over the nodes; each proxy prefers its own node's)")
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")

@@ -38,8 +38,9 @@ class Backend(Protocol):
         Raises ValueError for a bad request and ``APIError`` (429/503) when it cannot
         be served; closing the iterator aborts the request."""
 
-    async def ready(self) -> bool:
-        """True while at least one engine can take requests."""
+    async def health(self) -> dict[str, Any]:
+        """``/health``'s body: ``ready`` (True while at least one engine can take
+        requests) and what else an operator should see."""
 
 
 @dataclass

@@ -2,7 +2,10 @@
 kvroute's own routing figures.
 
 Inputs are plain dicts: each replica's ``AsyncEngine.metrics_report()``, the router's
-``stats()`` (when a router runs), and the ingress' own ``DecisionQuality``.
+``stats()`` (when a router runs), and every ingress's counters (``ingress_report``):
+each ingress sends its own to the routers about once a second, so whichever ingress a
+scrape lands on renders the whole application, its counters summed over the ingresses
+and its processes labelled by node.
 """
 
 from __future__ import annotations
@@ -67,6 +70,40 @@ class DecisionQuality:
         self.reuse.add(choice.num_prompt_tokens, trace.available_tokens or 0, trace.expected_cached_tokens, delivered,
                        trace.reason or "unknown")  # fmt: skip
 
+    _FIELDS = ("requests", "offered", "available", "captured", "delivered", "abs_error", "cold", "stale")
+
+    def as_report(self) -> dict[str, Any]:
+        r = self.reuse
+        return {**{k: getattr(r, k) for k in self._FIELDS}, "routing": dict(r.routing),
+                "unpredicted_requests": self.unpredicted_requests, "unpredicted_delivered": self.unpredicted_delivered}
+
+    @classmethod
+    def summed(cls, reports: Iterable[dict[str, Any]]) -> "DecisionQuality":
+        """The decision quality of several ingresses (their ``as_report``s) as one."""
+        total = cls()
+        for rep in reports:
+            for k in cls._FIELDS:
+                setattr(total.reuse, k, getattr(total.reuse, k) + rep[k])
+            total.reuse.routing.update(rep["routing"])
+            total.unpredicted_requests += rep["unpredicted_requests"]
+            total.unpredicted_delivered += rep["unpredicted_delivered"]
+        return total
+
+
+def ingress_report(quality: DecisionQuality, stats: dict[str, int], node: str) -> dict[str, Any]:
+    """What one ingress process tells the routers of itself: its decision quality, its
+    request router's fallbacks, failovers and spills, its node and its process."""
+    return {"quality": quality.as_report(), "fallbacks": stats["fallbacks"], "failovers": stats["failovers"],
+            "spills": stats["spills"], "node": node, "process": process_figures()}
+
+
+def render_app(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]],
+               ingresses: dict[str, dict[str, Any]]) -> bytes:
+    """The whole application: every replica, the routers, and every ingress's counters summed."""
+    reports = list(ingresses.values())
+    return render(model_name, replicas, router, DecisionQuality.summed(r["quality"] for r in reports),
+                  *(sum(r[k] for r in reports) for k in ("fallbacks", "failovers", "spills")), ingresses=ingresses)
+
 
 def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Several router actors' ``stats()`` as one: decisions (each router counts its own)
@@ -80,6 +117,8 @@ def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     merged["decisions_by_reason"] = dict(reasons)
     merged["peer_staleness_ms_by_router"] = [s.get("peer_staleness_ms") or {} for s in stats]
     merged["cpu_load_by_router"] = [s.get("cpu_load", 0.0) for s in stats]
+    merged["process_by_router"] = [s.get("process") for s in stats]
+    merged["node_by_router"] = [s.get("node", "") for s in stats]
     return merged
 
 
@@ -91,14 +130,16 @@ def render(
     fallbacks: Optional[int] = None,
     failovers: Optional[int] = None,
     spills: Optional[int] = None,
+    ingresses: Optional[dict[str, dict[str, Any]]] = None,
 ) -> bytes:
-    """The Prometheus text exposition of everything given."""
+    """The Prometheus text exposition of everything given (``ingresses``: each ingress's
+    report, for its process; without them, this process is the one HTTP process)."""
 
     class _Collector:
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
             yield from _router_families(model_name, router, accuracy, fallbacks, failovers, spills)
-            yield _process_family(model_name, replicas, router)
+            yield _process_family(model_name, replicas, router, ingresses)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
 
@@ -244,18 +285,26 @@ def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metri
     yield un
 
 
-def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]]) -> Metric:
-    """Resident memory of every process of the service: each replica's, the router
-    actor's and this HTTP process's own, each labelled with its pid (what a soak run
-    watches for growth, and what a chaos test kills)."""
+def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]],
+                    ingresses: Optional[dict[str, dict[str, Any]]] = None) -> Metric:
+    """Resident memory of every process of the service: each replica's, the routers'
+    and each HTTP ingress's, labelled with its pid and node (what a soak run watches for
+    growth, and what a chaos test kills)."""
     fam = GaugeMetricFamily(
         "kvroute:process_resident_memory_bytes",
         "Resident memory of each process of the service.",
-        labels=["model_name", "role", "replica", "pid"],
+        labels=["model_name", "role", "replica", "pid", "node"],
     )
-    procs = [("replica", rid, rep.get("process")) for rid, rep in sorted(replicas.items())]
-    procs += [("router", "", (router or {}).get("process")), ("http", "", process_figures())]
-    for role, rid, proc in procs:
+    procs = [("replica", rid, rep.get("process"), rep.get("node", "")) for rid, rep in sorted(replicas.items())]
+    router = router or {}
+    router_procs = router.get("process_by_router") or [router.get("process")]
+    nodes = router.get("node_by_router") or [router.get("node", "")] * len(router_procs)
+    procs += [("router", str(i), proc, node) for i, (proc, node) in enumerate(zip(router_procs, nodes))]
+    if ingresses is None:
+        procs.append(("http", "", process_figures(), ""))
+    else:
+        procs += [("http", iid, rep["process"], rep["node"]) for iid, rep in sorted(ingresses.items())]
+    for role, rid, proc, node in procs:
         if proc:
-            fam.add_metric([model_name, role, rid, str(proc["pid"])], float(proc["rss_bytes"]))
+            fam.add_metric([model_name, role, rid, str(proc["pid"]), node], float(proc["rss_bytes"]))
     return fam

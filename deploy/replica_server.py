@@ -50,8 +50,8 @@ class EngineBackend:
         finally:
             await gen.aclose()
 
-    async def ready(self) -> bool:
-        return self.engine.failure is None
+    async def health(self) -> dict[str, Any]:
+        return {"ready": self.engine.failure is None}
 
 
 def build_replica_server(

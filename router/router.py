@@ -96,6 +96,12 @@ class Router:
         self._all: tuple[ReplicaId, ...] = ()  # every replica
         self._sets: dict[tuple[ReplicaId, ...], _CandidateSet] = {}  # resolved candidate sets, by value
 
+    def set_policy(self, policy: Policy | str, policy_kwargs: dict[str, Any]) -> None:
+        """Decide with another policy from the next request on; the directory, the load
+        view and the tickets stay."""
+        self.policy = _make_policy(policy, policy_kwargs)
+        self._sets.clear()
+
     # ------------------------------------------------------------------ membership
     def add_replica(self, replica_id: str, capacity_blocks: int, host_capacity_blocks: int = 0) -> None:
         self.directory.add_replica(replica_id, capacity_blocks, host_capacity_blocks)

@@ -45,12 +45,40 @@ def test_kuberay_manifest_is_accepted():
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
 
 
-def test_each_cluster_build_draws_a_hash_seed_unless_pinned():
-    base = {"llm_configs": [{"model_loading_config": {"model_id": "m"}}]}
-    a, b = parse_args(base).cluster_config(), parse_args(base).cluster_config()
-    assert a.engine.hash_seed != b.engine.hash_seed
+def test_an_application_keeps_its_stored_hash_seed_across_builds(ray_cluster):
+    """Two builds of one application share the seed stored in the cluster (so an
+    unchanged config keeps its generation, its routers and replicas); another
+    application gets its own; a pinned seed wins; a build before Ray is connected draws one."""
+    from kvroute.cluster.app_state import forget_hash_seed, with_app_hash_seed
+
+    def build(app: str, **engine):
+        args = {"app_name": app, "llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": engine}]}
+        return with_app_hash_seed(parse_args(args).cluster_config())
+
+    try:
+        a, b, other = build("seed-a"), build("seed-a"), build("seed-b")
+        assert a.engine.hash_seed == b.engine.hash_seed != 0 and a.generation == b.generation
+        assert other.engine.hash_seed != a.engine.hash_seed
+        changed = build("seed-a", block_size=32)
+        assert changed.engine.hash_seed == a.engine.hash_seed and changed.generation != a.generation
+        assert changed.router_actor_name != a.router_actor_name and changed.router_actor_name.startswith("kvroute-router:seed-a@")
+    finally:
+        forget_hash_seed("seed-a")
+        forget_hash_seed("seed-b")
     pinned = {"llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"hash_seed": 7}}]}
     assert parse_args(pinned).cluster_config().engine.hash_seed == 7
+
+
+def test_a_build_without_ray_draws_a_seed_per_build():
+    """Run apart: this test process may be connected to Ray already."""
+    import subprocess
+    import sys
+
+    code = ("from kvroute.cluster.app_state import with_app_hash_seed; from kvroute.deploy.app import parse_args; "
+            "c = parse_args({'llm_configs': [{'model_loading_config': {'model_id': 'm'}}]}).cluster_config(); "
+            "print(with_app_hash_seed(c).engine.hash_seed, with_app_hash_seed(c).engine.hash_seed)")
+    a, b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert a != b and int(a) > 0
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
@@ -36,11 +36,11 @@ def app(ray_cluster, tiny_llama_path):
         }],
     }  # fmt: skip
     serve.run(build_app(parse_args(args)), name=name, route_prefix="/")
-    router = ray.get_actor(f"kvroute-router:{name}", namespace="kvroute")
+    router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
     yield ray_cluster
     serve.delete(name)
-    kill_router_actor(f"kvroute-router:{name}")
+    kill_router_actors(name)
 
 
 async def _timed(c: httpx.AsyncClient, body: dict) -> tuple[float, httpx.Response]:

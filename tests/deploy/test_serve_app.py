@@ -4,6 +4,7 @@ requests through Serve's HTTP proxy on loopback with the official ``openai`` cli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -15,7 +16,7 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
@@ -40,11 +41,11 @@ def app(ray_cluster, tiny_llama_path):
     name = "kvhttp"
     parsed = parse_args(_args(tiny_llama_path, name))
     serve.run(build_app(parsed), name=name, route_prefix="/")
-    router = ray.get_actor(f"kvroute-router:{name}", namespace="kvroute")
+    router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
     yield ray_cluster, router, parsed
     serve.delete(name)
-    kill_router_actor(f"kvroute-router:{name}")
+    kill_router_actors(name)
 
 
 def _states(router, cluster_config) -> dict[str, dict]:
@@ -152,6 +153,12 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
             assert httpx.get(url + "/health", timeout=30).status_code == 200
             ray.get(router.remove_replica.remote("r1"))
             assert httpx.get(url + "/health", timeout=30).status_code == 503
+            # a replica hashing with another seed is refused, and /health names it
+            other = dataclasses.replace(config.hash_spec, seed=config.hash_spec.seed + 1)
+            with pytest.raises(ValueError, match="hashes blocks with"):
+                ray.get(router.register.remote("r2", other, 16, [], 0))
+            body = httpx.get(url + "/health", timeout=30).json()
+            assert "r2" in body["refused_replicas"] and "hash_seed" in body["refused_replicas"]["r2"]
     finally:
         kill_router_actor(config.router_actor_name)
 
@@ -217,7 +224,7 @@ def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_
         assert after.status_code == 200
     finally:
         serve.delete(name)
-        kill_router_actor(f"kvroute-router:{name}")
+        kill_router_actors(name)
 
 
 def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path):
@@ -237,7 +244,7 @@ def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path
         assert len({o.choices[0].text for o in outs}) == 1
     finally:
         serve.delete(name)
-        kill_router_actor(f"kvroute-router:{name}")
+        kill_router_actors(name)
 
 
 def _texts_by_index(resp_json) -> list[str]:

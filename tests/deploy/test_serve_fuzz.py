@@ -25,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from ray import serve  # noqa: E402
 
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 from tests.deploy import hostile  # noqa: E402
@@ -53,14 +53,14 @@ def fuzz_app(ray_cluster, tiny_llama_path):
     }
     parsed = parse_args(args)
     serve.run(build_app(parsed), name=name, route_prefix="/fuzz")
-    router = ray.get_actor(f"kvroute-router:{name}", namespace="kvroute")
+    router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
     url = ray_cluster + "/fuzz"
     before = httpx.post(url + "/v1/completions", json=GREEDY, timeout=60)
     assert before.status_code == 200, before.text
     yield url, router, parsed, before.json()["choices"][0]["text"]
     serve.delete(name)
-    kill_router_actor(f"kvroute-router:{name}")
+    kill_router_actors(name)
 
 
 def _check_response(status: int, content: bytes, content_type: str, elapsed_s: float) -> None:

@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 from kvroute.benchmarks.lora_adapters import save_random_adapter  # noqa: E402
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.replica_deployment import replica_version  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
@@ -61,7 +61,7 @@ def _deploy(model_path, adapters, replicas: int):
     parsed = parse_args(_args(model_path, adapters, replicas))
     config = parsed.cluster_config()
     serve.run(compose_app(parsed, engine_version=replica_version(config)), name=APP, route_prefix="/")
-    router = ray.get_actor(f"kvroute-router:{APP}", namespace="kvroute")
+    router = app_router(APP)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == replicas, 90, f"{replicas} replicas registered")
     return config, router
 
@@ -151,7 +151,7 @@ def test_load_reaches_every_replica_and_a_later_one(app, adapters, offline, tiny
 
 def test_a_killed_registry_keeps_the_adapters_loaded_at_run_time(app, offline):
     url, config, _ = app
-    registry = ray.get_actor(f"kvroute-router:{APP}:loras", namespace="kvroute")
+    registry = ray.get_actor(f"kvroute-loras:{APP}", namespace="kvroute")
     before = ray.get(registry.snapshot.remote())
     assert "b" in before[1]  # loaded through /v1/load_lora_adapter by the test before
     restart_actor(registry)
