@@ -123,11 +123,14 @@ def _merge(base: Any, extra: Any) -> Any:
     return extra
 
 
+_CONTAINERS = {"head": "spec.rayClusterConfig.headGroupSpec.template.spec.containers.0",
+               "gpu-workers": "spec.rayClusterConfig.workerGroupSpecs.0.template.spec.containers.0"}
+
+
 def test_commented_options_validate_once_switched_on(validator):
-    options = dict(_options())
-    assert set(options) == {"spec.rayClusterConfig", "spec.rayClusterConfig.workerGroupSpecs.0.template.spec"}
-    assert "gcsFaultToleranceOptions" in options["spec.rayClusterConfig"]
-    for where, fragment in options.items():
+    options = _options()
+    assert sorted(where for where, _ in options) == sorted(["spec.rayClusterConfig", *_CONTAINERS.values()])
+    for where, fragment in options:
         manifest = _manifest()
         *parents, last = [int(k) if k.isdigit() else k for k in where.split(".")]
         node = manifest
@@ -135,10 +138,20 @@ def test_commented_options_validate_once_switched_on(validator):
             node = node[key]
         node[last] = _merge(node[last], fragment)
         assert _errors(validator, manifest) == [], where
-    s3 = options["spec.rayClusterConfig.workerGroupSpecs.0.template.spec"]
-    (fetch,) = s3["initContainers"]
-    assert fetch["args"][-1] == _serve_args()["llm_configs"][0]["model_loading_config"]["model_source"]
-    assert {m["name"] for m in fetch["volumeMounts"]} == {v["name"] for v in s3["volumes"]} == {"models"}
+    fragments = dict(options)
+    assert set(fragments["spec.rayClusterConfig"]) == {"gcsFaultToleranceOptions"}
+    for where in _CONTAINERS.values():  # the S3 option: credentials from one secret on every pod
+        assert fragments[where] == {"envFrom": [{"secretRef": {"name": "kvroute-aws"}}]}
+
+
+def test_s3_model_source_of_the_option_is_accepted():
+    pytest.importorskip("ray")
+    from kvroute.deploy.app import parse_args
+
+    (uri,) = re.findall(r"model_source: \S+\s+# or (s3://\S+)", _manifest()["spec"]["serveConfigV2"])
+    args = copy.deepcopy(_serve_args())
+    args["llm_configs"][0]["model_loading_config"]["model_source"] = uri
+    assert parse_args(args).cluster_config().engine.model == uri
 
 
 # ---------------------------------------------------------------------- the cluster
