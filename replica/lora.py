@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from kvroute.replica.config import check_adapter_name
-from kvroute.replica.lora_config import ATTN_MODULES, CONFIG_FILE, read_config
+from kvroute.replica.lora_config import ATTN_MODULES, CONFIG_FILE, adapter_folder, read_config
+from kvroute.replica.model_store import is_uri
 from kvroute.replica.models.arch import ModelArch
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -31,10 +32,12 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(
 @dataclass(frozen=True)
 class LoRAAdapter:
     """One validated adapter on the host: ``weights[(layer, module)] = (A [r, in],
-    B [out, r])`` in fp32, ``scale`` = ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA)."""
+    B [out, r])`` in fp32, ``scale`` = ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
+    ``path``: where it was loaded from, as the caller named it (a folder, or an ``s3://``
+    URI: the fleet's registry compares it with what it lists, not with a node's cache)."""
 
     name: str
-    path: Path
+    path: Path | str
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -52,14 +55,13 @@ def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int) -> LoRAAdapter:
-    """Read and validate the PEFT folder ``path`` for a model of ``arch``."""
+    """Read and validate the PEFT folder ``path`` (or ``s3://`` URI, fetched into this
+    node's cache) for a model of ``arch``."""
     name = check_adapter_name(name)
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {name!r}: {folder} is not a directory")
+    folder = adapter_folder(name, path)
     rank, scale, targets = read_config(folder / CONFIG_FILE, max_rank)
     weights = _read_weights(folder / WEIGHTS_FILE, arch, rank, targets)
-    return LoRAAdapter(name, folder, rank, scale, weights)
+    return LoRAAdapter(name, str(path) if is_uri(path) else folder, rank, scale, weights)
 
 
 def _read_weights(

@@ -1,12 +1,16 @@
 """A PEFT adapter's ``adapter_config.json``, read and validated (stdlib only: the
 emulated engine reads adapters' configs without torch; ``replica/lora.py`` reads the
-weights). Every mistake is a ValueError naming the file and the field."""
+weights), and where an adapter's folder is on this node (``adapter_folder``: a local
+path, or an ``s3://`` URI fetched into the node's cache by ``replica/model_store.py``).
+Every mistake is a ValueError naming the file and the field."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+from kvroute.replica.model_store import fetch, is_uri, not_found
 
 CONFIG_FILE = "adapter_config.json"
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -15,6 +19,23 @@ MODULES = ATTN_MODULES + MLP_MODULES
 # Config fields that change what the weights mean; refused unless they hold the neutral value.
 _NEUTRAL = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
             "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}  # fmt: skip
+
+
+def adapter_folder(name: str, source: str | Path) -> Path:
+    """The local folder of adapter ``name`` whose ``source`` is a folder path or an
+    ``s3://bucket/prefix`` URI (this node's cached copy, downloaded on first use).
+
+    It is resolved on the node that loads the adapter, so a folder present on one node
+    only fails there, as a SourceNotFoundError (a ValueError) naming the adapter, the
+    path and the node."""
+    if is_uri(source):
+        return fetch(str(source), f"LoRA adapter {name!r}: folder")
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise not_found(f"LoRA adapter {name!r}: folder", str(folder),
+                        "it is not a directory there; on a cluster an adapter folder must exist on every node "
+                        "that loads it, or be an s3:// URI")  # fmt: skip
+    return folder
 
 
 def read_config(file: Path, max_rank: int) -> tuple[int, float, tuple[str, ...]]:
