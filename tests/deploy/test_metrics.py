@@ -35,3 +35,28 @@ def test_reuse_figures_and_losses_add_up_to_the_prompt():
             if s.name.endswith("_total")}  # fmt: skip
     assert loss == {("cold", ""): 326, ("routing", "load"): 96, ("stale", ""): 16}
     assert [s.value for s in fams["kvroute:unpredicted_requests"].samples if s.name.endswith("_total")] == [1]
+
+
+def test_the_application_view_sums_every_ingress_and_labels_nodes():
+    """Whichever ingress a scrape lands on renders every ingress's counters, added up,
+    and each ingress's process under its node."""
+    from kvroute.deploy.metrics import ingress_report, render_app
+
+    a, b = DecisionQuality(), DecisionQuality()
+    a.on_finished(finished(RouteTrace("r1", 96, "prefix", 1, available_tokens=96), 200, 96))
+    b.on_finished(finished(RouteTrace("r2", 32, "load", 2, available_tokens=128), 200, 16))
+    b.on_finished(finished(RouteTrace(reason="fallback"), 80, 64))
+    reports = {"i1": ingress_report(a, {"fallbacks": 0, "failovers": 2, "spills": 1}, "10.0.0.2"),
+               "i2": ingress_report(b, {"fallbacks": 1, "failovers": 0, "spills": 3}, "10.0.0.3")}
+    router = {"process": {"pid": 7, "rss_bytes": 1}, "node": "10.0.0.2", "decisions_by_reason": {}}
+    fams = {f.name: f for f in text_string_to_metric_families(render_app("m", {}, router, reports).decode())}
+
+    def total(name: str) -> float:
+        return sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
+
+    assert (total("kvroute:router_fallbacks"), total("kvroute:router_failovers"), total("kvroute:router_spills")) == (1, 2, 4)
+    assert (total("kvroute:routed_requests"), total("kvroute:predicted_cached_tokens")) == (2, 128)
+    assert (total("kvroute:actual_cached_tokens"), total("kvroute:unpredicted_requests")) == (112, 1)
+    procs = {(s.labels["role"], s.labels["replica"]): s.labels["node"]
+             for s in fams["kvroute:process_resident_memory_bytes"].samples}  # fmt: skip
+    assert procs == {("router", "0"): "10.0.0.2", ("http", "i1"): "10.0.0.2", ("http", "i2"): "10.0.0.3"}
