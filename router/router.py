@@ -129,6 +129,7 @@ class Router:
             self._events_unknown += 1
             return True
         if events.load is not None:
+            self._observe_ticket(events.load.route_ticket)
             self.loads.report(rid, events.load)
         ok = self.directory.apply(rid, events.seq, events.stored, events.removed, events.cleared,
                                   events.host_stored, events.host_removed)  # fmt: skip
@@ -146,6 +147,7 @@ class Router:
         """Replace the replica's entries by its full cache (both tiers) as of event ``seq``."""
         self.directory.apply_snapshot(replica_id, block_hashes, seq, host_hashes)
         if load is not None:
+            self._observe_ticket(load.route_ticket)
             self.loads.report(replica_id, load)
 
     def report_load(self, replica_id: str, load: LoadFigures) -> bool:
@@ -193,8 +195,9 @@ class Router:
         decision.available_tokens = max(self._cap(request.table.longest(), num_tokens), decision.expected_cached_tokens)
         if held < len(block_hashes):
             self.directory.add_pending(chosen, block_hashes, start=held)
-        # tickets follow the wall clock (microseconds), so several routers' tickets order
-        # like their decisions and a replica's highest accepted ticket covers them all
+        # tickets follow the wall clock (microseconds) and every ticket seen
+        # (_observe_ticket), so several routers' tickets order like their decisions and a
+        # replica's highest accepted ticket covers them all
         self._ticket = ticket = max(self._ticket + 1, time.time_ns() // 1000)
         decision.ticket = ticket
         self.loads.on_routed(chosen, num_tokens - cached, ticket, lora_name)
@@ -212,12 +215,21 @@ class Router:
         False: unknown replica."""
         if replica_id not in self.directory:
             return False
+        self._observe_ticket(ticket)
         held = self.directory.depth_on(replica_id, block_hashes)
         if held < len(block_hashes):
             self.directory.add_pending(replica_id, block_hashes, start=held)
         self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket, lora_name)
         self._peer_decisions += 1
         return True
+
+    def _observe_ticket(self, ticket: int) -> None:
+        """Tickets are a Lamport clock over the wall clock: a ticket seen from another
+        router (its decisions) or a replica (the highest it accepted) moves this
+        router's past it, so on nodes whose clocks disagree a later decision still gets
+        a higher ticket than any the replicas have counted."""
+        if ticket > self._ticket:
+            self._ticket = ticket
 
     def _cap(self, blocks: int, num_tokens: int) -> int:
         """Cached tokens of ``blocks`` matched blocks (the last prompt token is always computed)."""

@@ -168,6 +168,21 @@ def test_other_routers_late_decisions_are_not_counted_twice():
     assert r.load("r0").in_flight == 0
 
 
+def test_tickets_move_past_any_seen_when_clocks_disagree():
+    """A router whose node's clock runs behind a peer's still issues a later decision a
+    higher ticket than the peer's and than any a replica reported (a Lamport clock), so
+    a replica's report never counts a decision it has not seen."""
+    r, _ = cluster(2, First())
+    h, n = prompt(0, 4, 0)
+    ahead = r.route(h, n).ticket + 60_000_000  # a peer on a node one minute ahead
+    assert r.note_routed("r1", h, n, ahead)
+    assert r.route(h, n).ticket > ahead
+    later = ahead + 120_000_000  # a replica that accepted a ticket of a router further ahead
+    assert r.apply(KVEvents("r0", 1, load=LoadFigures(num_waiting=0, route_ticket=later)))
+    mine = r.route(h, n)
+    assert mine.ticket > later and r.load(mine.replica_id).in_flight >= 1  # not taken as counted
+
+
 def test_load_view_increment_expires_when_no_report_counts_it():
     r, clock = cluster(2, First())
     h, n = prompt(0, 2, 0)
