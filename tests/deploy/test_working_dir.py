@@ -159,6 +159,7 @@ def _stop(markers: tuple[str, ...]) -> None:
         deadline = time.monotonic() + 10
         while _descendants_of(markers) and time.monotonic() < deadline:
             time.sleep(0.2)
+    assert not _descendants_of(markers), "the test's Ray cluster left processes behind"
 
 
 def test_ray_job_submit_with_the_checkout_as_working_dir(tmp_path):
