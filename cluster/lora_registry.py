@@ -152,6 +152,13 @@ def get_or_create_lora_registry(config: ClusterConfig) -> ray.actor.ActorHandle:
     return handle
 
 
+REGISTRY_CALL_TIMEOUT_S = 5.0  # a registry on a node that vanished stalls a replica no longer than this
+
+
+async def _call(ref: Any) -> Any:
+    return await asyncio.wait_for(ref, REGISTRY_CALL_TIMEOUT_S)
+
+
 def _same(a: str | None, b: str | None) -> bool:
     """Two spellings of one folder (the engine keeps ``Path(path).expanduser()``)."""
     return a is not None and b is not None and Path(a).expanduser() == Path(b).expanduser()
@@ -174,7 +181,7 @@ class ReplicaAdapters:
         self._last_used[name] = time.monotonic()
         if name in self._loaded():
             return
-        path = await self.registry.path.remote(name)
+        path = await _call(self.registry.path.remote(name))
         if path is None:
             raise ValueError(f"unknown LoRA adapter {name!r} (not loaded in this application)")
         await self.load(name, path)
@@ -217,10 +224,10 @@ class ReplicaAdapters:
 
     async def sync(self) -> None:
         """Unload what the registry dropped; load what it lists while there is room."""
-        epoch, modules = await self.registry.snapshot.remote()
+        epoch, modules = await _call(self.registry.snapshot.remote())
         if self.epoch is not None and epoch != self.epoch:  # the registry restarted: tell it what we hold
-            epoch = await self.registry.restore.remote(self.epoch, self._loaded())
-            _, modules = await self.registry.snapshot.remote()
+            epoch = await _call(self.registry.restore.remote(self.epoch, self._loaded()))
+            _, modules = await _call(self.registry.snapshot.remote())
         self.epoch = epoch
         for name, path in self._loaded().items():
             if not _same(modules.get(name), path) and name not in self._loading:
