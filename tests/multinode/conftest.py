@@ -59,7 +59,7 @@ APP = "kvroute"
 MODEL = "smollm2-135m-instruct"
 INGRESS_RESOURCE = "kvroute_ingress"
 # Small engines: two of them and the cluster's daemons share this 2-core box.
-SMALL_ENGINE = {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 256, "max_num_seqs": 8,
+SMALL_ENGINE = {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 256, "max_num_seqs": 8, "dtype": "float32",
                 "enable_prefix_caching": True}  # fmt: skip
 # Nodes are declared dead after health_check_failure_threshold × period without an
 # answer (Ray's defaults: 5 × 3 s); a shorter period only shortens the node-loss test.
@@ -124,13 +124,11 @@ def per_replica(samples: dict[tuple, float], suffix: str = "") -> dict[str, floa
     return out
 
 
-def deploy_and_wait(cluster: NetnsCluster, config: dict[str, Any], num_replicas: int = 2,
-                    timeout_s: float = 240.0) -> dict[str, str]:  # fmt: skip
-    """``serve deploy`` ``config`` and wait until ``num_replicas`` engine replicas run,
-    the router knows them all (each appears in ``/metrics``) and ``/health`` answers 200
-    on the head's proxy; returns {replica id: node name}."""
-    app_name = config["applications"][0]["name"]
-    cluster.serve_deploy(config)
+def wait_fleet(cluster: NetnsCluster, app_name: str = APP, num_replicas: int = 2,
+               timeout_s: float = 240.0) -> dict[str, str]:  # fmt: skip
+    """Wait until ``num_replicas`` engine replicas run, the router knows exactly them
+    (each in ``/metrics``, no other) and ``/health`` answers 200 on the head's proxy;
+    returns {replica id: node name}."""
     head = cluster.head.url()
 
     def ready() -> Optional[dict[str, str]]:
@@ -144,6 +142,13 @@ def deploy_and_wait(cluster: NetnsCluster, config: dict[str, Any], num_replicas:
         return placed if reported == set(placed) else None
 
     return cluster.wait_for(ready, timeout_s, f"{num_replicas} engine replicas running and registered", interval_s=1.0)
+
+
+def deploy_and_wait(cluster: NetnsCluster, config: dict[str, Any], num_replicas: int = 2,
+                    timeout_s: float = 240.0) -> dict[str, str]:  # fmt: skip
+    """``serve deploy`` ``config``, then ``wait_fleet``."""
+    cluster.serve_deploy(config)
+    return wait_fleet(cluster, config["applications"][0]["name"], num_replicas, timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -359,6 +359,17 @@ class NetnsCluster:
         rows = data["data"]["result"]["result"]
         return {r["node_ip"]: r["node_id"] for r in rows if r["state"] == "ALIVE"}
 
+    def actors(self, state: Optional[str] = "ALIVE") -> list[dict[str, Any]]:
+        """Ray's state API (what ``ray.util.state.list_actors(detail=True)`` returns):
+        every actor with ``name``, ``class_name``, ``node_id``, ``pid``, ``state``…"""
+        data = self.get("/api/v0/actors?limit=10000&detail=true")
+        rows = data["data"]["result"]["result"]
+        return [r for r in rows if state is None or r["state"] == state]
+
+    def node_of_id(self, node_id: str, alive: Optional[dict[str, str]] = None) -> str:
+        ips = {nid: ip for ip, nid in (alive or self.alive_nodes()).items()}
+        return self.node_of_ip(ips[node_id])
+
     def wait_nodes_alive(self, names: Sequence[str], timeout_s: float = 120.0) -> dict[str, str]:
         want = {self.nodes[n].ip for n in names}
         deadline = time.monotonic() + timeout_s
