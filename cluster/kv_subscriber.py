@@ -19,7 +19,16 @@ plus the rank): one subscriber, and one worker id, per rank.
 
 ``routers`` are Ray actor handles (``.register.remote``, ``.push.remote``) or plain
 objects with the same methods (a ``RouterService``), called directly. ``stop`` takes the
-worker out of every router (``remove_replica``).
+worker out of every router (``remove_replica``). It may be called more than once and
+from several threads at once (a worker pool's failed poll and an ingress' report of the
+same dead worker): the first call does the work, the others wait for it, and every call
+returns within about ``timeout_s``. The ZMQ context is only ever terminated by one
+thread, after its sockets closed (the thread's own on its way out), since two threads
+terminating one context can leave one blocked in ``zmq_ctx_term`` for good.
+
+``counters["messages"]`` and ``last_message_at`` say whether anything arrived from the
+worker (a message on the stream, or a replay answer): a subscriber connects whether or
+not a publisher listens, so they are how a caller tells a silent endpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ROUTER_TIMEOUT_S = 10.0
 REPLAY_TIMEOUT_S = 2.0
+STOP_TIMEOUT_S = 5.0  # stop() returns within about this (plus the routers' unregistration, as long again)
 
 
 def _call(router: Any, method: str, *args: Any) -> Any:
@@ -50,6 +60,30 @@ def _call(router: Any, method: str, *args: Any) -> Any:
 
         return ray.get(fn.remote(*args), timeout=ROUTER_TIMEOUT_S)
     return fn(*args)
+
+
+def _call_all(routers: list, method: str, args: tuple, timeout_s: float) -> list[Exception]:
+    """``method(*args)`` on every router at once (actors: one wait of ``timeout_s`` for
+    all); the errors."""
+    errors: list[Exception] = []
+    refs = []
+    for router in routers:
+        fn = getattr(router, method)
+        try:
+            if hasattr(fn, "remote"):
+                refs.append(fn.remote(*args))
+            else:
+                fn(*args)
+        except Exception as exc:
+            errors.append(exc)
+    if refs:
+        import ray
+
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except Exception as exc:  # a router down or slow: it forgets the worker when it restarts or expires it
+            errors.append(exc)
+    return errors
 
 
 class _Link:
@@ -79,33 +113,56 @@ class KVEventSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context()
+        self._ctx.linger = 0  # closing a socket never waits for unsent messages
+        self._stop_lock = threading.Lock()
+        self._stopping = False  # a stop() has begun (guarded by _stop_lock)
+        self._stopped = threading.Event()  # ... and finished
+        self.last_message_at: float | None = None  # time.monotonic() of the last message or replay answer
         self.counters = {"gaps": 0, "replays": 0, "resyncs": 0, "bad_batches": 0, "pushes": 0,
-                         "registrations": 0, "router_errors": 0}  # fmt: skip
+                         "registrations": 0, "router_errors": 0, "messages": 0, "replay_answers": 0}  # fmt: skip
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("KVEventSubscriber already started")
+        """Open the SUB socket and start the thread. ``zmq.ZMQError`` when the endpoint
+        cannot be bound or is malformed (nothing is left open then)."""
+        if self._thread is not None or self._stop.is_set():
+            raise RuntimeError("KVEventSubscriber already started or stopped")
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        if "*" in self.endpoint:  # the worker's publisher connects to us (vLLM: a non-wildcard endpoint)
-            sub.bind(self.endpoint)
-        else:
-            sub.connect(self.endpoint)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if "*" in self.endpoint:  # the worker's publisher connects to us (vLLM: a non-wildcard endpoint)
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, args=(sub,), name=f"kv-sub-{self.worker_id}", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread and take the worker out of every router (it leaves)."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the thread and take the worker out of every router (it leaves). Safe to
+        call twice and from several threads at once (module docstring); True once
+        stopped, False when it gave up waiting (the thread still busy in a router call:
+        it ends and frees its sockets by itself)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._ctx.destroy(linger=0)
-        for link in self._links:
-            try:
-                _call(link.router, "remove_replica", self.worker_id)
-            except Exception as exc:  # a router that is down forgets it when it restarts
+        with self._stop_lock:
+            first, self._stopping = not self._stopping, True
+        if not first:
+            return self._stopped.wait(timeout_s)
+        try:
+            thread = self._thread
+            if thread is None:
+                self._ctx.term()  # no socket was ever opened (or start() closed it)
+            else:
+                thread.join(timeout=timeout_s)  # the thread closes its socket and terminates the context
+                if thread.is_alive():
+                    log.warning("worker %s: the KV event thread did not stop within %.1f s", self.worker_id, timeout_s)
+            for exc in _call_all([link.router for link in self._links], "remove_replica", (self.worker_id,), timeout_s):
                 log.info("worker %s: could not unregister (%r)", self.worker_id, exc)
+            return thread is None or not thread.is_alive()
+        finally:
+            self._stopped.set()
 
     def set_load(self, load: LoadFigures) -> None:
         """The worker's load figures (polled elsewhere): they ride on the next message."""
@@ -117,6 +174,8 @@ class KVEventSubscriber:
     def ingest(self, frames: list[bytes]) -> None:
         """One message of the worker's stream, ``(topic, seq, payload)``, into every
         router (what the thread does with each message it receives)."""
+        self.counters["messages"] += 1
+        self.last_message_at = time.monotonic()
         with self._lock:
             self._on_frames(frames)
             self._send_all()
@@ -132,20 +191,27 @@ class KVEventSubscriber:
 
     # ------------------------------------------------------------------ thread
     def _run(self, sub: zmq.Socket) -> None:
-        with self._lock:
-            if self.replay_endpoint:  # catch up with what the worker did before we connected
-                self._replay(0)
-            self._send_all()
-        next_beat = time.monotonic() + self.heartbeat_s
-        while not self._stop.is_set():
-            if sub.poll(timeout=min(100, int(self.heartbeat_s * 1000))):
-                self.ingest(sub.recv_multipart())
-                next_beat = time.monotonic() + self.heartbeat_s
-            elif time.monotonic() >= next_beat:
-                with self._lock:
-                    self._send_all(heartbeat=True)
-                next_beat = time.monotonic() + self.heartbeat_s
-        sub.close(linger=0)
+        """The thread: owns ``sub`` (and replay sockets) and, on its way out, closes
+        them and terminates the context, so no other thread ever touches them."""
+        try:
+            with self._lock:
+                if self.replay_endpoint:  # catch up with what the worker did before we connected
+                    self._replay(0)
+                self._send_all()
+            next_beat = time.monotonic() + self.heartbeat_s
+            while not self._stop.is_set():
+                if sub.poll(timeout=min(100, int(self.heartbeat_s * 1000))):
+                    self.ingest(sub.recv_multipart())
+                    next_beat = time.monotonic() + self.heartbeat_s
+                elif time.monotonic() >= next_beat:
+                    with self._lock:
+                        self._send_all(heartbeat=True)
+                    next_beat = time.monotonic() + self.heartbeat_s
+        except Exception:
+            log.exception("worker %s: the KV event thread failed", self.worker_id)
+        finally:
+            sub.close(linger=0)
+            self._ctx.term()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -174,6 +240,8 @@ class KVEventSubscriber:
             ok, start = True, True
             while sock.poll(timeout=int(REPLAY_TIMEOUT_S * 1000)):
                 _, _, seq_bytes, payload = sock.recv_multipart()
+                self.counters["replay_answers"] += 1
+                self.last_message_at = time.monotonic()
                 seq = wire.decode_seq(seq_bytes)
                 if seq == wire.END_SEQ:
                     return ok
@@ -204,6 +272,8 @@ class KVEventSubscriber:
 
     def _send_all(self, heartbeat: bool = False) -> None:
         for link in self._links:
+            if self._stop.is_set():  # stopping: never register the worker again behind stop()'s back
+                return
             if link.registered and not (heartbeat or link.publisher.has_changes):
                 continue
             try:

@@ -23,16 +23,21 @@ seconds, queued prefill) come:
   A figure whose histogram did not move in the window keeps its last estimate; before
   the first one (and until a quarter of a window has passed) it is 0 and the router uses the fleet's mean or its defaults
   (``router/load_view.py``).
+
+The pool reads every worker's page every poll, and a vLLM page is ~50 KB of series the
+pool never reads (per-request histograms' buckets, HTTP and process metrics): parsing
+all of it with ``prometheus_client`` cost ~10 ms per page. ``parse_load`` keeps only the
+lines of the dozen series it needs (a prefix test per line, then the exact name) and
+reads those by hand, ~70x cheaper (``benchmarks/worker_pool_cpu.py``).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Optional
-
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Iterator, Optional
 
 from kvroute.replica.kv_events import LoadFigures
 
@@ -50,6 +55,9 @@ _SUMS = {"vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_la
          "vllm:request_prefill_time_seconds_sum": "prefill_s",
          "vllm:request_prefill_kv_computed_tokens_sum": "computed",
          "vllm:request_prefill_kv_computed_tokens_count": "requests"}  # fmt: skip
+_CACHE_INFO = "vllm:cache_config_info"
+_WANTED = (*_GAUGES, *OWN_FIGURES, *_SUMS, _CACHE_INFO)
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 class WorkerRates:
@@ -102,17 +110,16 @@ def parse_load(
     own: dict[str, float] = {}
     sums: dict[str, float] = {}
     cache: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in _GAUGES:
-                values[_GAUGES[sample.name]] += sample.value
-            elif sample.name in OWN_FIGURES:
-                field = OWN_FIGURES[sample.name]
-                own[field] = own.get(field, 0.0) + sample.value
-            elif sample.name in _SUMS:
-                sums[_SUMS[sample.name]] = sums.get(_SUMS[sample.name], 0.0) + sample.value
-            elif sample.name == "vllm:cache_config_info":
-                cache = {k: int(v) for k, v in sample.labels.items() if v.isdigit()}
+    for name, labels, value in _samples(text):
+        if name in _GAUGES:
+            values[_GAUGES[name]] += value
+        elif name in OWN_FIGURES:
+            field = OWN_FIGURES[name]
+            own[field] = own.get(field, 0.0) + value
+        elif name in _SUMS:
+            sums[_SUMS[name]] = sums.get(_SUMS[name], 0.0) + value
+        else:  # vllm:cache_config_info
+            cache = {k: int(v) for k, v in _LABEL.findall(labels) if v.isdigit()}
     figures = LoadFigures(num_waiting=int(values["num_waiting"]), num_running=int(values["num_running"]),
                           kv_usage=min(1.0, values["kv_usage"]), route_ticket=ticket)  # fmt: skip
     if own:
@@ -122,3 +129,28 @@ def parse_load(
         rates.observe(sums, now)
         figures = rates.figures(figures)
     return figures, cache
+
+
+def _samples(text: str) -> Iterator[tuple[str, str, float]]:
+    """``(name, labels text, value)`` of the page's samples of the series ``parse_load``
+    reads (the rest is skipped unparsed). A sample line is ``name[{labels}] value
+    [timestamp]``; a wanted line without a number is a ValueError, as the whole page's
+    parse raised before."""
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):  # comments, blank lines and every other series
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, end = line[:brace], line.rfind("}")
+            if end < brace:
+                raise ValueError(f"unclosed labels in metrics line {line[:200]!r}")
+            labels, rest = line[brace + 1 : end], line[end + 1 :]
+        else:
+            name, labels, rest = line[:space] if space != -1 else line, "", line[space:] if space != -1 else ""
+        if name not in _WANTED:  # a longer name with a wanted prefix (vllm:num_requests_running_by_x)
+            continue
+        parts = rest.split()
+        if not parts:
+            raise ValueError(f"no value in metrics line {line[:200]!r}")
+        yield name, labels, float(parts[0])

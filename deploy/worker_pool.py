@@ -2,18 +2,36 @@
 OpenAI-compatible servers (vLLM, ``kvroute serve-replica``) exist, which are up, and
 what the router actors know of them.
 
-One ``WorkerPool`` per application, a detached Ray actor (``kvroute-workers:<app>``)
-that every ingress replica asks for the workers that are up. Every ``poll_interval_s``
-it polls each up worker's ``/metrics`` into ``LoadFigures`` (``deploy/worker_load.py``:
-vLLM's gauges, and the worker's prefill rate and decode step, measured or estimated)
-and hands them to every router actor (``report_load``, also the worker's sign of life); a worker whose poll fails, or that an ingress reports dead
-(``mark_down``), is removed from every router and probed (``/health``, then
-``/v1/models``) until it answers again. A worker comes up only if it serves the
-application's model; its LoRA adapters (the ``/v1/models`` entries with a ``parent``)
-are read again every ``MODELS_REFRESH_S``. Its cache entries come from its KV events where it has an event
-endpoint (``cluster/kv_subscriber.py``'s ``KVEventSubscriber`` registers it and
-streams them); without one it is registered with an empty cache, and the routers'
-own pending runs and load increments carry routing.
+One ``WorkerPool`` per application, a detached Ray actor that every ingress replica asks
+for the workers that are up. Each worker has its own tick, every ``poll_interval_s``:
+an up worker's ``/metrics`` becomes ``LoadFigures`` (``deploy/worker_load.py``: vLLM's
+gauges, and the worker's prefill rate and decode step, measured or estimated) handed to
+every router actor (``report_load``, also the worker's sign of life); a worker whose
+poll fails, or that an ingress reports dead (``mark_down``), is removed from every
+router and probed (``/health``, then ``/v1/models``) until it answers again. A worker
+comes up only if it serves the application's model; its LoRA adapters (the
+``/v1/models`` entries with a ``parent``) are read again every ``MODELS_REFRESH_S``. Its
+cache entries come from its KV events where it has an event endpoint
+(``cluster/kv_subscriber.py``'s ``KVEventSubscriber`` registers it and streams them;
+``/admin/workers`` says ``"unreachable"`` while the endpoint takes no TCP connection);
+without one it is registered with an empty cache, and the routers' own pending runs and
+load increments carry routing.
+
+No worker can stall the others: every HTTP call is bounded (``HTTP_TIMEOUT_S``, the
+whole answer), every router call too (``ROUTER_TIMEOUT_S``), and a worker's tick runs as
+its own task under ``TICK_TIMEOUT_S``; a round of ticks waits for the slow ones only
+until the next round is due, and a worker whose tick is still running is not ticked
+again. Taking a worker out is one step with no await in it (``_detach``: down, its
+subscriber handed over, a new ``generation``), so a failed poll and an ingress' report
+of the same death take it out once and stop its subscriber once; a tick that began
+before a take-out drops what it learnt. The pool's own liveness (ticks, the time of the
+last completed round) is in ``describe()``, ``/admin/workers`` and ``/metrics``.
+
+As an actor the pool keeps its worker list (config, then ``add`` and ``remove``) in the
+GCS internal KV under its actor name (``cluster/saved_state.py``) and, when Ray restarts
+it, starts from that list, so workers added at run time survive a pool crash. On a Ray
+cluster of more than one node, loopback and unspecified addresses are refused
+(``deploy/worker_probe.py``: they name a different host in every process).
 
 Load tickets: a worker does not know the routers' tickets, so a poll's figures count
 every request routed more than ``TRANSIT_MARGIN_US`` before the poll started (its
@@ -26,105 +44,67 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
-from urllib.parse import urlsplit
+from typing import Any, Awaitable, Optional, Sequence
 
 import httpx
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.kv_subscriber import KVEventSubscriber
+from kvroute.cluster.kv_subscriber import STOP_TIMEOUT_S, KVEventSubscriber
 from kvroute.cluster.messages import ROUTER_NAMESPACE
 from kvroute.cluster.router_actor import get_or_create_router_actors
-from kvroute.deploy.worker_load import WorkerRates, parse_load
+from kvroute.cluster.saved_state import load_json, save_json
+from kvroute.deploy import worker_probe as probe
+from kvroute.deploy.worker_load import parse_load
+from kvroute.deploy.worker_state import Worker, WorkerSpec, adapters_of, describe_worker, start_subscriber, subscribe
 from kvroute.replica.kv_events import LoadFigures
+
+__all__ = ["WorkerPool", "WorkerSpec", "start_subscriber", "get_or_create_worker_pool", "kill_worker_pool"]
 
 log = logging.getLogger(__name__)
 
 TRANSIT_MARGIN_US = 100_000  # a request routed this long before a poll has reached its worker
 UNKNOWN_CAPACITY_BLOCKS = 1 << 20  # a worker that names no KV capacity: never skipped for room
 MODELS_REFRESH_S = 2.0  # how often an up worker's /v1/models is read again (adapters loaded at run time)
-
-
-class WorkerSpec(BaseModel):
-    """One external worker, as ``serve.yaml``'s ``workers`` and ``POST /admin/workers`` give it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    url: str = Field(description="the worker's base URL, e.g. http://10.0.0.5:8000")
-    id: Optional[str] = Field(default=None, min_length=1, max_length=128, description="default: host:port of url")
-    kv_events_endpoint: Optional[str] = Field(default=None, description="its ZMQ KV event publisher, e.g. tcp://10.0.0.5:5557")
-    replay_endpoint: Optional[str] = None
-    capacity_blocks: Optional[int] = Field(default=None, ge=1, description="its KV cache in blocks (default: asked)")
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ValueError(f"url must be http(s)://host[:port][/path], got {v!r}")
-        try:
-            parts.port
-        except ValueError:
-            raise ValueError(f"url has a bad port: {v!r}") from None
-        return v.rstrip("/")
-
-    @property
-    def worker_id(self) -> str:
-        return self.id or urlsplit(self.url).netloc
-
-
-@dataclass
-class _Worker:
-    spec: WorkerSpec
-    up: bool = False
-    model: Optional[str] = None  # the name it serves (its /v1/models' first id)
-    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> root (path)
-    models_at: float = 0.0  # when its /v1/models was last read
-    capacity: int = 0
-    load: Optional[LoadFigures] = None
-    last_error: str = ""
-    subscriber: Any = None
-    counters: dict[str, int] = field(default_factory=lambda: {"downs": 0, "ups": 0, "polls": 0})
-    rates: WorkerRates = field(default_factory=WorkerRates)  # its prefill rate and decode step, where it names none
-
-
-def _adapters(models: list[dict[str, Any]]) -> dict[str, str]:
-    """A worker's LoRA adapters from its ``/v1/models``: the entries with a ``parent``
-    (vLLM and kvroute list an adapter so, with its path as ``root``)."""
-    return {m["id"]: str(m.get("root") or "") for m in models if m.get("parent")}
-
-
-def start_subscriber(worker_id: str, spec: WorkerSpec, config: ClusterConfig, routers: list, capacity: int) -> KVEventSubscriber:
-    """The worker's KV event subscriber, started: it registers the worker with every
-    router and streams its events (``cluster/kv_subscriber.py``)."""
-    sub = KVEventSubscriber(worker_id, spec.kv_events_endpoint, config.hash_spec, routers, capacity,
-                            replay_endpoint=spec.replay_endpoint)  # fmt: skip
-    sub.start()
-    return sub
+HTTP_TIMEOUT_S = 5.0  # one call to a worker (/health, /v1/models, /metrics): its whole answer
+TICK_TIMEOUT_S = 30.0  # one worker's tick (a probe is up to four calls, a take-out a subscriber's stop): a backstop
+ROUTER_TIMEOUT_S = 5.0  # register, report_load, remove_replica on every router
+EVENTS_RECHECK_S = 5.0  # how often a worker's KV event endpoint is checked again
 
 
 class WorkerPool:
     """Plain state and one poll loop (started by the first call); ``WorkerPoolActor``
-    is it as a Ray actor."""
+    is it as a Ray actor. ``nodes``: the Ray cluster's node count (None: asked)."""
 
     def __init__(self, config: ClusterConfig, specs: Sequence[dict], model_names: Sequence[str],
-                 poll_interval_s: float = 1.0, routers: Optional[list] = None) -> None:  # fmt: skip
+                 poll_interval_s: float = 1.0, routers: Optional[list] = None, nodes: Optional[int] = None) -> None:  # fmt: skip
         self.config = config
         self.model_names = set(model_names)
         self.poll_interval_s = poll_interval_s
         self.routers = routers if routers is not None else get_or_create_router_actors(config)
-        self.workers: dict[str, _Worker] = {}
-        for s in specs:
+        self._nodes = nodes
+        self.workers: dict[str, Worker] = {}
+        self._adding: set[str] = set()  # ids and urls being probed by add()
+        self.state_key = probe.pool_state_key()
+        saved = load_json(self.state_key) if self.state_key and probe.restarted() else None
+        if saved is None:
+            probe.check_specs(specs, self.nodes())
+        for s in saved if saved is not None else specs:
             spec = WorkerSpec.model_validate(s)
             if self._clash(spec):
                 raise ValueError(f"worker {spec.worker_id} ({spec.url}) is listed twice")
-            self.workers[spec.worker_id] = _Worker(spec)
+            self.workers[spec.worker_id] = Worker(spec)
+        if saved is not None:
+            log.warning("worker pool restarted: %d workers restored from %s", len(self.workers), self.state_key)
+        self._save()
         self._client: Optional[httpx.AsyncClient] = None
         self._task: Optional[asyncio.Task] = None
+        self._background: set[asyncio.Task] = set()
+        self.ticks = 0  # rounds of ticks completed
+        self.last_tick_at: Optional[float] = None  # time.time() of the last one
+        self._last_tick_mono: Optional[float] = None
 
     # ------------------------------------------------------------------ API
     async def up_workers(self) -> dict[str, tuple[str, str, dict[str, str]]]:
@@ -135,61 +115,115 @@ class WorkerPool:
 
     async def refresh_models(self) -> None:
         """Read every up worker's ``/v1/models`` again now (its adapters changed)."""
+        self._start()
         up = [w for w in self.workers.values() if w.up]
         for w, models in zip(up, await asyncio.gather(*(self._models(w) for w in up), return_exceptions=True)):
             if not isinstance(models, BaseException):
-                w.adapters, w.models_at = _adapters(models), time.monotonic()
+                w.adapters, w.models_at = adapters_of(models), time.monotonic()
 
-    async def describe(self) -> list[dict[str, Any]]:
+    async def describe(self) -> dict[str, Any]:
+        """``{"workers": [one dict per worker], "pool": the pool's own liveness}``."""
         self._start()
-        return [self._describe(w) for w in self.workers.values()]
+        now = time.monotonic()
+        return {"workers": [describe_worker(w, now) for w in self.workers.values()],
+                "pool": {"ticks": self.ticks, "last_tick_at": self.last_tick_at, "poll_interval_s": self.poll_interval_s,
+                         "last_tick_age_s": None if self._last_tick_mono is None else now - self._last_tick_mono,
+                         "num_workers": len(self.workers), "num_up": sum(w.up for w in self.workers.values())}}  # fmt: skip
 
     async def add(self, spec: dict) -> dict[str, Any]:
         """Add a worker (probed at once: up if it answers). ``{"worker": ...}`` or
         ``{"error": message, "status": 400 | 409}``."""
         self._start()
         parsed = WorkerSpec.model_validate(spec)
-        if self._clash(parsed):
-            return {"error": f"worker {parsed.worker_id} ({parsed.url}) is already in the pool", "status": 409}
-        w = _Worker(parsed)
         try:
-            await self._probe(w)
+            probe.check_addresses(parsed.url, (parsed.kv_events_endpoint, parsed.replay_endpoint), self.nodes())
         except ValueError as exc:
             return {"error": str(exc), "status": 400}
+        if self._clash(parsed):
+            return {"error": f"worker {parsed.worker_id} ({parsed.url}) is already in the pool", "status": 409}
+        w = Worker(parsed)
+        self._adding |= {parsed.worker_id, parsed.url}
+        try:
+            await asyncio.wait_for(self._probe(w), TICK_TIMEOUT_S)
+        except ValueError as exc:
+            return {"error": str(exc), "status": 400}
+        except asyncio.TimeoutError:
+            w.last_error = f"probe did not finish within {TICK_TIMEOUT_S:g} s"
+        finally:
+            self._adding -= {parsed.worker_id, parsed.url}
         self.workers[parsed.worker_id] = w
-        return {"worker": self._describe(w)}
+        self._save()
+        return {"worker": describe_worker(w, time.monotonic())}
 
     async def remove(self, worker_id: str) -> bool:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return False
+        self._save()
+        if w.task is not None:
+            w.task.cancel()
         await self._take_out(w, "removed")
         return True
 
     async def mark_down(self, worker_id: str, reason: str) -> None:
-        """An ingress saw the worker fail (connection refused or lost, a 5xx)."""
+        """An ingress saw the worker fail (connection refused or lost, a 5xx): out of
+        routing now; its subscriber and the routers are told in the background."""
         w = self.workers.get(worker_id)
         if w is not None and w.up:
-            await self._take_out(w, reason)
+            self._spawn(self._release(w, self._detach(w, reason)))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for w in self.workers.values():
-            await self._take_out(w, "pool stopped")
+        for task in [self._task, *(w.task for w in self.workers.values()), *self._background]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(self._take_out(w, "pool stopped") for w in self.workers.values()), return_exceptions=True)
+
+    def nodes(self) -> int:
+        return self._nodes if self._nodes is not None else probe.cluster_nodes()
 
     # ------------------------------------------------------------------ loop
     def _start(self) -> None:
         if self._task is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(HTTP_TIMEOUT_S))
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _loop(self) -> None:
+        """One round per ``poll_interval_s``: a tick task for every worker not ticking
+        already, waited for until the next round is due at most."""
         while True:
-            await asyncio.gather(*(self._tick(w) for w in list(self.workers.values())), return_exceptions=True)
+            try:
+                for w in list(self.workers.values()):
+                    if w.task is None or w.task.done():
+                        w.task = asyncio.ensure_future(self._guarded_tick(w))
+                ticking = [w.task for w in self.workers.values() if w.task is not None and not w.task.done()]
+                if ticking:
+                    await asyncio.wait(ticking, timeout=max(self.poll_interval_s, 1.0))
+                self.ticks += 1
+                self.last_tick_at, self._last_tick_mono = time.time(), time.monotonic()
+            except Exception:  # never let the loop end: the pool would go silent for good
+                log.exception("worker pool round failed")
             await asyncio.sleep(self.poll_interval_s)
 
-    async def _tick(self, w: _Worker) -> None:
+    async def _guarded_tick(self, w: Worker) -> None:
+        try:
+            await asyncio.wait_for(self._tick(w), TICK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            why = f"tick did not finish within {TICK_TIMEOUT_S:g} s"
+            if w.up:
+                self._spawn(self._release(w, self._detach(w, why)))
+            else:
+                w.last_error = why
+        except Exception:
+            log.exception("worker %s: tick failed", w.spec.worker_id)
+        finally:
+            w.ticked_at = time.monotonic()
+
+    async def _tick(self, w: Worker) -> None:
         if self.workers.get(w.spec.worker_id) is not w:
             return  # removed meanwhile
         if not w.up:
@@ -198,28 +232,41 @@ class WorkerPool:
             except ValueError as exc:
                 w.last_error = str(exc)
             return
+        gen = w.generation
         try:
-            w.load, _ = await self._poll(w)
+            load, _ = await self._poll(w)
+            adapters = None
             if time.monotonic() - w.models_at >= MODELS_REFRESH_S:
-                w.adapters = _adapters(await self._models(w))
-                w.models_at = time.monotonic()
+                adapters = adapters_of(await self._models(w))
         except (httpx.HTTPError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            await self._take_out(w, f"metrics poll failed: {exc!r}")
+            if w.generation == gen:
+                await self._take_out(w, f"metrics poll failed: {exc!r}")
             return
-        await self._report(w)
+        if w.generation != gen:
+            return  # taken out meanwhile: these figures are of a worker the routers no longer have
+        w.load = load
+        if adapters is not None:
+            w.adapters, w.models_at = adapters, time.monotonic()
+        await self._report(w, gen)
+        if w.spec.kv_events_endpoint and time.monotonic() - w.events_checked_at >= EVENTS_RECHECK_S:
+            await self._check_events(w, gen)
 
-    async def _poll(self, w: _Worker) -> tuple[LoadFigures, dict[str, int]]:
+    async def _get(self, w: Worker, path: str) -> httpx.Response:
+        return await probe.bounded_get(self._client, w.spec.url + path, HTTP_TIMEOUT_S)
+
+    async def _poll(self, w: Worker) -> tuple[LoadFigures, dict[str, int]]:
         ticket = time.time_ns() // 1000 - TRANSIT_MARGIN_US
-        r = await self._client.get(w.spec.url + "/metrics")
+        r = await self._get(w, "/metrics")
         r.raise_for_status()
         w.counters["polls"] += 1
         return parse_load(r.text, ticket, w.rates)
 
-    async def _probe(self, w: _Worker) -> None:
+    async def _probe(self, w: Worker) -> None:
         """Bring ``w`` up if it answers and serves our model (ValueError if it serves
         another); otherwise note why and leave it down."""
+        gen = w.generation
         try:
-            if (await self._client.get(w.spec.url + "/health")).status_code != 200:
+            if (await self._get(w, "/health")).status_code != 200:
                 w.last_error = "health probe did not answer 200"
                 return
             models = await self._models(w)
@@ -227,96 +274,160 @@ class WorkerPool:
             if not names & self.model_names:
                 raise ValueError(f"worker {w.spec.worker_id} serves {sorted(names)}, not this application's model "
                                  f"(one of {sorted(self.model_names)})")  # fmt: skip
-            w.load, cache = await self._poll(w)
+            load, cache = await self._poll(w)
             block_size = self.config.hash_spec.block_size
             if cache.get("block_size", block_size) != block_size:
                 raise ValueError(f"worker {w.spec.worker_id} has KV blocks of {cache['block_size']} tokens; this "
                                  f"application hashes blocks of {block_size} (set --block-size to the workers')")  # fmt: skip
-            w.capacity = w.spec.capacity_blocks or cache.get("num_gpu_blocks") or await self._server_info_capacity(w)
+            capacity = w.spec.capacity_blocks or cache.get("num_gpu_blocks") or await self._server_info_capacity(w)
         except (httpx.HTTPError, KeyError, TypeError, json.JSONDecodeError) as exc:
             w.last_error = f"probe failed: {exc!r}"
             return
+        events_error = await probe.endpoint_error(w.spec.kv_events_endpoint) if w.spec.kv_events_endpoint else None
+        if w.generation != gen or w.up:
+            return  # removed or taken out while it was probed
         ids = [m["id"] for m in models]
         w.model = next((i for i in ids if i in self.model_names), ids[0])  # the name to send it
-        w.adapters, w.models_at = _adapters(models), time.monotonic()
+        w.load, w.capacity = load, capacity
+        w.adapters, w.models_at = adapters_of(models), time.monotonic()
         w.up, w.last_error = True, ""
         w.counters["ups"] += 1
-        if w.spec.kv_events_endpoint:
-            w.subscriber = start_subscriber(w.spec.worker_id, w.spec, self.config, self.routers, w.capacity)
+        subscribe(w, events_error, self.config, self.routers)
         if w.subscriber is None:
             await self._register(w)
         log.info("worker %s (%s) is up: %s, %d KV blocks", w.spec.worker_id, w.spec.url, w.model, w.capacity)
 
-    async def _models(self, w: _Worker) -> list[dict[str, Any]]:
-        r = await self._client.get(w.spec.url + "/v1/models")
+    async def _check_events(self, w: Worker, gen: int) -> None:
+        error = await probe.endpoint_error(w.spec.kv_events_endpoint)
+        if w.generation != gen or not w.up:
+            return
+        if w.subscriber is None:  # its endpoint could not be bound before: try again
+            subscribe(w, error, self.config, self.routers)
+            if w.subscriber is None:
+                return
+        elif bool(error) != bool(w.events_error):
+            log.warning("worker %s: KV event endpoint %s", w.spec.worker_id, error or "reachable again")
+        w.events_error, w.events_checked_at = error or "", time.monotonic()
+
+    async def _models(self, w: Worker) -> list[dict[str, Any]]:
+        r = await self._get(w, "/v1/models")
         r.raise_for_status()
         return r.json()["data"]
 
-    async def _server_info_capacity(self, w: _Worker) -> int:
+    async def _server_info_capacity(self, w: Worker) -> int:
         """``serve-replica``'s ``/get_server_info`` names its KV blocks; else unknown."""
-        r = await self._client.get(w.spec.url + "/get_server_info")
+        r = await self._get(w, "/get_server_info")
         blocks = r.json().get("num_kv_blocks") if r.status_code == 200 else None
         return int(blocks) if isinstance(blocks, int) and blocks > 0 else UNKNOWN_CAPACITY_BLOCKS
 
-    async def _register(self, w: _Worker, routers: Optional[list] = None) -> None:
+    async def _register(self, w: Worker, routers: Optional[list] = None) -> None:
         """Register ``w`` with an empty cache (no KV events) on ``routers`` (default: all)."""
         calls = [r.register.remote(w.spec.worker_id, self.config.hash_spec, w.capacity, [], 0, w.load)
                  for r in (routers or self.routers)]  # fmt: skip
-        for exc in (a for a in await asyncio.gather(*calls, return_exceptions=True) if isinstance(a, Exception)):
+        for exc in (a for a in await probe.bounded(calls, ROUTER_TIMEOUT_S) if isinstance(a, BaseException)):
             log.warning("worker %s: a router refused or missed its registration: %r", w.spec.worker_id, exc)
 
-    async def _report(self, w: _Worker) -> None:
+    async def _report(self, w: Worker, gen: int) -> None:
         calls = [r.report_load.remote(w.spec.worker_id, w.load) for r in self.routers]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
+        answers = await probe.bounded(calls, ROUTER_TIMEOUT_S)
         unknown = [r for r, ok in zip(self.routers, answers) if ok is False]
-        if unknown and w.subscriber is None:  # a router restarted empty
+        if unknown and w.subscriber is None and w.generation == gen:  # a router restarted empty
             await self._register(w, unknown)
 
-    async def _take_out(self, w: _Worker, reason: str) -> None:
+    def _detach(self, w: Worker, reason: str) -> Optional[KVEventSubscriber]:
+        """Take ``w`` out of routing, with no await: however many callers see it fail,
+        one counts the take-out and gets its subscriber to stop."""
+        sub, w.subscriber = w.subscriber, None
         was_up, w.up, w.last_error = w.up, False, reason
-        if w.subscriber is not None:
-            await asyncio.to_thread(w.subscriber.stop)  # joins its thread, unregisters from the routers
-            w.subscriber = None
-        calls = [r.remove_replica.remote(w.spec.worker_id) for r in self.routers]
-        await asyncio.gather(*calls, return_exceptions=True)
+        w.generation += 1
         if was_up:
             w.counters["downs"] += 1
             log.warning("worker %s (%s) taken out of routing: %s", w.spec.worker_id, w.spec.url, reason)
+        return sub
+
+    async def _release(self, w: Worker, sub: Optional[KVEventSubscriber]) -> None:
+        """What a take-out tells others: the subscriber stops (off the event loop; it
+        unregisters the worker), every router removes the worker (unless it came back
+        up meanwhile)."""
+        gen = w.generation
+        if sub is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(sub.stop), 3 * STOP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("worker %s: its KV event subscriber did not stop in time", w.spec.worker_id)
+        if w.generation == gen and not w.up:
+            await probe.bounded([r.remove_replica.remote(w.spec.worker_id) for r in self.routers], ROUTER_TIMEOUT_S)
+
+    async def _take_out(self, w: Worker, reason: str) -> None:
+        await self._release(w, self._detach(w, reason))
 
     # ------------------------------------------------------------------ helpers
     def _clash(self, spec: WorkerSpec) -> bool:
-        return spec.worker_id in self.workers or any(w.spec.url == spec.url for w in self.workers.values())
+        return (spec.worker_id in self.workers or any(w.spec.url == spec.url for w in self.workers.values())
+                or bool({spec.worker_id, spec.url} & self._adding))  # fmt: skip
 
-    def _describe(self, w: _Worker) -> dict[str, Any]:
-        return {
-            "id": w.spec.worker_id, "url": w.spec.url, "state": "up" if w.up else "down", "model": w.model,
-            "adapters": sorted(w.adapters), "capacity_blocks": w.capacity or None, "kv_events": w.subscriber is not None, "last_error": w.last_error or None,
-            "load": None if w.load is None else {"num_running": w.load.num_running, "num_waiting": w.load.num_waiting,
-                                                 "kv_usage": w.load.kv_usage, "prefill_tokens_per_s": w.load.prefill_tokens_per_s,
-                                                 "decode_step_s": w.load.decode_step_s},
-            **w.counters,
-        }  # fmt: skip
-
-
-WorkerPoolActor = ray.remote(num_cpus=0, max_restarts=-1)(WorkerPool)
+    def _save(self) -> None:
+        """The worker list into the GCS internal KV (as an actor; module docstring)."""
+        if self.state_key:
+            try:
+                save_json(self.state_key, [w.spec.model_dump(exclude_none=True) for w in self.workers.values()])
+            except Exception as exc:  # the GCS unreachable: a restart would start from the config
+                log.warning("could not save the worker list: %r", exc)
 
 
-def pool_actor_name(app_name: str) -> str:
-    return f"kvroute-workers:{app_name}"
+class _AppWorkerPool(WorkerPool):
+    """The application's pool as a detached actor: it ends itself once no ingress has
+    pinged it (``touch``, on Serve's health check) for ``idle_exit_s``, so the pool of
+    a config that was redeployed or deleted goes away by itself."""
+
+    def __init__(self, config: ClusterConfig, *args: Any) -> None:
+        super().__init__(config, *args)
+        self.last_touch = time.monotonic()
+        threading.Thread(target=self._watch_idle, args=(config.idle_exit_s,), daemon=True).start()
+
+    def touch(self) -> None:
+        self.last_touch = time.monotonic()
+
+    def _watch_idle(self, idle_exit_s: float) -> None:
+        while True:
+            time.sleep(min(5.0, idle_exit_s / 4))
+            if time.monotonic() - self.last_touch > idle_exit_s:
+                log.warning("worker pool unused for %.0f s (its application was removed or redeployed): exiting",
+                            idle_exit_s)  # fmt: skip
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+
+WorkerPoolActor = ray.remote(num_cpus=0, max_restarts=-1)(_AppWorkerPool)
+
+
+def pool_actor_name(config: ClusterConfig, specs: Sequence[dict], poll_interval_s: float) -> str:
+    """Keyed by the application's generation and its worker settings: a redeploy with
+    other settings gets a new pool, an unchanged one keeps it."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps([list(specs), poll_interval_s], sort_keys=True).encode()).hexdigest()[:8]
+    return f"{config.actor_name('workers')}-{digest}"
 
 
 def get_or_create_worker_pool(config: ClusterConfig, specs: Sequence[dict], model_names: Sequence[str],
                               poll_interval_s: float) -> Any:  # fmt: skip
     """The application's pool actor, created on first use (detached, like the routers)."""
-    return WorkerPoolActor.options(name=pool_actor_name(config.app_name), namespace=ROUTER_NAMESPACE,
+    return WorkerPoolActor.options(name=pool_actor_name(config, specs, poll_interval_s), namespace=ROUTER_NAMESPACE,
                                    lifetime="detached", get_if_exists=True).remote(
         config, list(specs), list(model_names), poll_interval_s)  # fmt: skip
 
 
 def kill_worker_pool(app_name: str) -> bool:
-    try:
-        actor = ray.get_actor(pool_actor_name(app_name), namespace=ROUTER_NAMESPACE)
-    except ValueError:
-        return False
-    ray.kill(actor, no_restart=True)
-    return True
+    """Kill the pools of every generation of application ``app_name``."""
+    prefix = f"kvroute-workers:{app_name}@"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == ROUTER_NAMESPACE and a["name"].startswith(prefix)]  # fmt: skip
+    killed = 0
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=ROUTER_NAMESPACE), no_restart=True)
+            killed += 1
+        except ValueError:  # ended meanwhile
+            pass
+    return killed > 0

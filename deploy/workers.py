@@ -41,12 +41,14 @@ from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from kvroute.deploy.serving import OpenAIServing
 from kvroute.deploy.worker_pool import WorkerSpec
+from kvroute.deploy.worker_probe import check_specs, cluster_nodes
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 
 log = logging.getLogger(__name__)
 
 Answer = Union[dict[str, Any], AsyncIterator[bytes]]
 WORKERS_FRESH_S = 0.5  # how long an ingress trusts its copy of the pool's up workers
+POOL_TIMEOUT_S = 2.0  # how long /metrics and /admin/workers wait for the pool's answer
 
 
 class ForwardingServing(OpenAIServing):
@@ -126,8 +128,9 @@ class WorkersBackend:
         self._up: dict[str, tuple[str, str, dict[str, str]]] = {}
         self._fresh_until = 0.0
 
-    async def ready(self) -> bool:
-        return bool(await self.workers(fresh=True))
+    async def health(self) -> dict[str, Any]:
+        up = await self.workers(fresh=True)
+        return {"ready": bool(up), "workers_up": len(up)}
 
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters of the up workers (as last fetched): name -> root."""
@@ -273,6 +276,51 @@ def _stream_usage(tail: bytes) -> Optional[dict[str, Any]]:
     return None
 
 
+async def pool_metrics(pool: Any, model_name: str) -> bytes:
+    """The pool's own liveness and its workers' state, as Prometheus text for
+    ``/metrics``: ``kvroute:worker_pool_up`` (it answered within ``POOL_TIMEOUT_S``),
+    ``kvroute:worker_pool_last_tick_age_seconds`` (since its last completed round of
+    polls: it grows when the pool's loop is stuck), ``kvroute:worker_pool_ticks_total``,
+    and per worker ``kvroute:worker_up``, ``kvroute:worker_polls_total`` and
+    ``kvroute:worker_last_tick_age_seconds``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import generate_latest
+
+    try:
+        described = await asyncio.wait_for(pool.describe.remote(), POOL_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("the worker pool did not answer for /metrics: %r", exc)
+        described = None
+    up = GaugeMetricFamily("kvroute:worker_pool_up", "1 when the worker pool answered this scrape.", labels=["model_name"])
+    up.add_metric([model_name], float(described is not None))
+    families = [up]
+    if described is not None:
+        pool_state, labels = described["pool"], ["model_name", "worker"]
+        age = GaugeMetricFamily("kvroute:worker_pool_last_tick_age_seconds", "Seconds since the worker pool last "
+                                "completed a round of polls.", labels=["model_name"])  # fmt: skip
+        if pool_state["last_tick_age_s"] is not None:
+            age.add_metric([model_name], pool_state["last_tick_age_s"])
+        ticks = CounterMetricFamily("kvroute:worker_pool_ticks", "Rounds of polls the worker pool completed.",
+                                    labels=["model_name"])  # fmt: skip
+        ticks.add_metric([model_name], pool_state["ticks"])
+        w_up = GaugeMetricFamily("kvroute:worker_up", "1 while the worker is in routing.", labels=labels)
+        polls = CounterMetricFamily("kvroute:worker_polls", "Successful /metrics polls of the worker.", labels=labels)
+        w_age = GaugeMetricFamily("kvroute:worker_last_tick_age_seconds", "Seconds since the worker's last finished "
+                                  "poll or probe.", labels=labels)  # fmt: skip
+        for w in described["workers"]:
+            w_up.add_metric([model_name, w["id"]], float(w["state"] == "up"))
+            polls.add_metric([model_name, w["id"]], w["polls"])
+            if w["last_tick_age_s"] is not None:
+                w_age.add_metric([model_name, w["id"]], w["last_tick_age_s"])
+        families += [age, ticks, w_up, polls, w_age]
+
+    class _Families:
+        def collect(self) -> list:
+            return families
+
+    return generate_latest(_Families())  # type: ignore[arg-type]
+
+
 class _WorkerFailed(Exception):
     """The worker failed before answering: take it out, try the next."""
 
@@ -293,7 +341,7 @@ class WorkersIngress:
 
     async def __init__(self, args: dict[str, Any], config: Any) -> None:
         from kvroute.cluster.router_actor import get_or_create_router_actors
-        from kvroute.deploy.app import load_model_info, parse_args
+        from kvroute.deploy.app import IngressReporter, ingress_limits, load_model_info, parse_args
         from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.worker_pool import get_or_create_worker_pool
 
@@ -301,24 +349,34 @@ class WorkersIngress:
         name = parsed.llm_configs[0].model_loading_config.model_id
         tokenizer, max_model_len, vocab_size = await load_model_info(config)
         self.router_actors = get_or_create_router_actors(config)
+        for actor in self.router_actors:  # kept routers adopt a redeployed policy
+            actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
         source = config.engine.model
         names = {name, source, os.path.basename(source.rstrip("/"))}
+        check_specs(parsed.workers or [], cluster_nodes())  # a clear error here, not the pool actor's
         self.pool = get_or_create_worker_pool(config, [w.model_dump() for w in parsed.workers or []], sorted(names),
                                               parsed.worker_poll_interval_s)  # fmt: skip
         await self.pool.up_workers.remote()  # starts its poll loop (after a restart too: every call does)
         self.accuracy = DecisionQuality()
-        limits = parsed.limits()
+        limits = ingress_limits(parsed)
         backend = WorkersBackend(self.pool, self.router_actors, config.hash_spec, limits.request_timeout_s, self.accuracy)
         aliases = () if source == name else (source,)
         self.serving = ForwardingServing(name, tokenizer, max_model_len, vocab_size, backend, limits, aliases,
                                          WorkerAdapters(backend))  # fmt: skip
+        self.reporter = IngressReporter(self.router_actors, self.accuracy)
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: tells the pool an ingress still uses it (an
+        unused one ends itself; the routers hear each ingress's reports)."""
+        self.pool.touch.remote()
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api
         from kvroute.deploy.app import router_metrics
 
         async def metrics() -> tuple[bytes, str]:
-            return await router_metrics(self.router_actors, self.serving.model_name, self.accuracy)
+            body, content_type = await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
+            return body + await pool_metrics(self.pool, self.serving.model_name), content_type
 
         return build_api(self.serving, metrics, self._admin_routes)
 
@@ -327,7 +385,11 @@ class WorkersIngress:
 
         @app.get("/admin/workers")
         async def list_workers() -> dict[str, Any]:
-            return {"object": "list", "data": await pool.describe.remote()}
+            try:
+                described = await asyncio.wait_for(pool.describe.remote(), POOL_TIMEOUT_S)
+            except Exception as exc:  # the pool restarting, or stuck
+                raise APIError(503, f"the worker pool did not answer: {exc!r}", code="unavailable", retry_after_s=1.0)
+            return {"object": "list", "data": described["workers"], "pool": described["pool"]}
 
         @app.post("/admin/workers")
         async def add_worker(spec: WorkerSpec) -> JSONResponse:

@@ -164,3 +164,80 @@ def test_kv_events_config_errors():
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "kafka"}')
     assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
     assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
+
+
+def test_two_concurrent_stops_of_a_streaming_subscriber_finish_in_bounded_time():
+    """A worker pool's failed poll and an ingress' report of the same dead worker stop
+    its subscriber at once, from two threads: both calls return within the bound, the
+    thread is gone, the worker left the router, and a later stop is a no-op. (Two
+    threads terminating one ZMQ context used to leave one blocked for good.)"""
+    import socket
+    import threading
+
+    from kvroute.replica.block_hash import HashSpec
+    from kvroute.router import vllm_events as wire
+
+    spec = HashSpec(8, 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    done = threading.Event()
+
+    def publish() -> None:  # a worker's stream: one stored block per message
+        seq = 0
+        while not done.is_set():
+            tokens = list(range(8 * seq, 8 * seq + 8))
+            pub.send_multipart([b"", wire.encode_seq(seq), wire.encode_batch(0.0, [wire.block_stored([seq + 1], None, tokens, 8)])])
+            seq += 1
+            time.sleep(0.002)
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    try:
+        for _ in range(8):
+            svc = RouterService(spec)
+            sub = KVEventSubscriber("w0", f"tcp://127.0.0.1:{port}", spec, [svc], 64, heartbeat_s=0.05)
+            sub.start()
+            wait_until(lambda: sub.counters["messages"] > 0 and "w0" in svc.replicas(), 10, "the stream to flow")
+            barrier, answers = threading.Barrier(2), []
+
+            def stop() -> None:
+                barrier.wait()
+                answers.append(sub.stop(timeout_s=2.0))
+
+            stoppers = [threading.Thread(target=stop, daemon=True) for _ in range(2)]
+            t0 = time.monotonic()
+            for t in stoppers:
+                t.start()
+            for t in stoppers:
+                t.join(timeout=10)
+            assert not any(t.is_alive() for t in stoppers), "a stop() is stuck"
+            assert time.monotonic() - t0 < 5 and answers == [True, True]
+            assert not sub._thread.is_alive() and svc.replicas() == []
+            t0 = time.monotonic()
+            assert sub.stop() is True and time.monotonic() - t0 < 0.5  # again: nothing left to do
+    finally:
+        done.set()
+        publisher.join(timeout=5)
+        ctx.destroy(linger=0)
+
+
+def test_a_subscriber_never_started_or_unable_to_bind_stops_at_once():
+    import socket
+
+    from kvroute.replica.block_hash import HashSpec
+
+    spec = HashSpec(8, 3)
+    svc = RouterService(spec)
+    with socket.socket() as taken:  # a wildcard endpoint is bound by the subscriber: this port is taken
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        sub = KVEventSubscriber("w1", f"tcp://*:{taken.getsockname()[1]}", spec, [svc], 64)
+        with pytest.raises(zmq.ZMQError):
+            sub.start()
+    t0 = time.monotonic()
+    assert sub.stop() is True and sub.stop() is True and time.monotonic() - t0 < 1.0
+    assert sub.counters["messages"] == 0 and sub.last_message_at is None

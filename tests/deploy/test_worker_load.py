@@ -85,3 +85,50 @@ def test_a_vllm_page_feeds_the_estimates_and_serve_replicas_own_figures_win():
     figures, _ = parse_load(vllm_page(0.5, 10, 0.5, 256, 1) + own, 0, rates, now=4.0)
     assert (figures.prefill_tokens_per_s, figures.decode_step_s) == (9000.0, 0.012)
     assert (figures.queued_prefill_tokens, figures.queued_prefill_s, figures.num_waiting) == (700, 0.08, 2)
+
+
+def _full_parse(text: str) -> dict[str, float]:
+    """Every sample of ``text`` summed by name, parsed whole by prometheus_client: what
+    ``parse_load`` read before it skipped the series it does not need."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_a_whole_vllm_page_reads_as_the_full_parse_reads_it():
+    """``parse_load`` reads only a dozen series of a ~53 KB vLLM page (the rest skipped
+    unparsed): its figures equal those of a full parse, with two engines' label sets,
+    serve-replica's own figures, a timestamp, and series whose names merely start like
+    a wanted one."""
+    from kvroute.benchmarks.worker_pool_cpu import vllm_metrics_page
+
+    page = vllm_metrics_page(53_000)
+    assert len(page) >= 53_000
+    second = ('vllm:num_requests_running{engine="1",model_name="smollm2"} 4.0 1700000000000\n'
+              'vllm:num_requests_waiting{engine="1",model_name="smollm2"} 5.0\n'
+              'vllm:num_requests_waiting_by_reason{engine="1",reason="capacity"} 99.0\n'
+              'vllm:inter_token_latency_seconds_sum{engine="1",model_name="smollm2"} 1.5\n'
+              'vllm:inter_token_latency_seconds_count{engine="1",model_name="smollm2"} 30.0\n')  # fmt: skip
+    for text in (page, page + second):
+        full = _full_parse(text)
+        figures, cache = parse_load(text, 0)
+        assert figures.num_running == int(full["vllm:num_requests_running"])
+        assert figures.num_waiting == int(full["vllm:num_requests_waiting"])
+        assert figures.kv_usage == pytest.approx(full["vllm:kv_cache_usage_perc"])
+        assert cache == {"block_size": 16, "engine": 0, "num_gpu_blocks": 2048}
+    assert parse_load(page + second, 0)[0].num_running == parse_load(page, 0)[0].num_running + 4
+    # the histograms' sums feed the estimates as the full parse's do
+    rates, zero = WorkerRates(window_s=4.0), page.replace("vllm:inter_token_latency_seconds_sum", "x_sum")
+    parse_load(zero.replace("vllm:inter_token_latency_seconds_count", "x_count"), 0, rates, now=0.0)
+    parse_load(page + second, 0, rates, now=4.0)
+    full = _full_parse(page + second)
+    assert rates.decode_step_s == pytest.approx(full["vllm:inter_token_latency_seconds_sum"]
+                                                / full["vllm:inter_token_latency_seconds_count"])  # fmt: skip
+    own = "kvroute:prefill_tokens_per_second 9000.0\nkvroute:decode_step_seconds 0.012\n"
+    assert parse_load(page + own, 0)[0].prefill_tokens_per_s == 9000.0
+    with pytest.raises(ValueError):
+        parse_load("vllm:num_requests_running{engine=\"0\"} many\n", 0)

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from kvroute.deploy.worker_load import parse_load  # noqa: E402
 from kvroute.deploy.worker_pool import kill_worker_pool  # noqa: E402
@@ -80,7 +80,7 @@ def _app(ray_cluster: str, ports: list[int], procs: dict, tiny_llama_path):
     }  # fmt: skip
     try:
         serve.run(build_app(parse_args(args)), name=APP, route_prefix="/")
-        routers = [ray.get_actor(f"kvroute-router:{APP}" + s, namespace="kvroute") for s in ("", ":1")]
+        routers = [app_router(APP, i) for i in (0, 1)]
         wait_until(lambda: all(len(ray.get(r.replicas.remote())) == 2 for r in routers), 60, "both workers registered")
         yield {"url": ray_cluster, "ports": ports, "procs": procs, "routers": routers, "model_path": tiny_llama_path}
     finally:
@@ -221,6 +221,76 @@ def test_a_killed_workers_requests_are_retried_elsewhere_and_it_comes_back(fleet
     wait_until(lambda: _workers(fleet)["victim"]["state"] == "up", 30, "the victim back up")
     wait_until(lambda: all("victim" in ray.get(r.replicas.remote()) for r in fleet["routers"]), 10, "victim registered")
     assert _admin(fleet, "DELETE", "/victim").status_code == 200
+
+
+def test_the_pool_keeps_polling_through_kills_of_an_evented_worker_under_streaming_load(fleet):
+    """A worker with KV events killed while requests stream through it is taken out by
+    two paths at once: each failed stream's ingress reports it (``mark_down``) and the
+    pool's next poll fails. Both once stopped its subscriber, two threads destroying one
+    ZMQ context, and one hung for good with the pool's loop waiting on it: no worker was
+    polled again. Over a few kill and restart cycles the pool keeps polling the
+    survivors (their poll counts grow), reports its rounds, and brings the victim back
+    up with its events each time."""
+    port, events = fleet["ports"][2], free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%d"}' % events
+    client = _client(fleet["url"])
+    survivors = set(_workers(fleet))
+
+    def start_victim() -> subprocess.Popen:
+        proc, _ = start_cli(["serve-replica", "--model", str(fleet["model_path"]), "--port", str(port), "--replica-id",
+                             "victim", *WORKER_ARGS, "--kv-events-config", config], "serving")  # fmt: skip
+        fleet["procs"][port] = proc  # the fixture stops it
+        wait_until(lambda: _healthy(url), 60, "the victim serving", 0.1)
+        return proc
+
+    def stream(i: int) -> str:
+        n, last = 0, None  # chunks, finish reason
+        try:
+            for c in client.completions.create(model=MODEL, prompt=f"stream {i} through the fleet " * 5, max_tokens=60,
+                                               stream=True):  # fmt: skip
+                n, last = n + 1, c.choices[0].finish_reason if c.choices else last
+            return "done" if (n, last) == (60, "length") else f"short {n} {last}"
+        except openai.APIError:  # it streamed from the victim: an error event, then [DONE]
+            return "cut"
+
+    def victim_running() -> bool:
+        try:
+            return parse_load(httpx.get(url + "/metrics", timeout=5).text, 0)[0].num_running > 0
+        except httpx.HTTPError:
+            return False
+
+    _stop(fleet["procs"][port])  # the plain worker an earlier test left on this port
+    proc = start_victim()
+    spec = {"url": url, "id": "victim", "kv_events_endpoint": f"tcp://127.0.0.1:{events}"}
+    assert _admin(fleet, "POST", json=spec).status_code == 201
+    try:
+        for cycle in range(4):
+            wait_until(lambda: _workers(fleet)["victim"]["state"] == "up" and _workers(fleet)["victim"]["kv_events"] is True,
+                       30, f"the victim up with its events (cycle {cycle})")  # fmt: skip
+            with concurrent.futures.ThreadPoolExecutor(10) as ex:
+                futures = [ex.submit(stream, 10 * cycle + i) for i in range(10)]
+                wait_until(victim_running, 30, "streams running on the victim", 0.02)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                polls = {wid: w["polls"] for wid, w in _workers(fleet).items() if wid in survivors}
+                outcomes = [f.result(timeout=60) for f in futures]
+            # a stream cut after its first byte ends in an error event; one cut before it was retried elsewhere
+            assert set(outcomes) <= {"done", "cut"} and "done" in outcomes, outcomes
+            wait_until(lambda: _workers(fleet)["victim"]["state"] == "down", 10, "the victim taken out")
+            wait_until(lambda: all(w["polls"] >= polls[wid] + 5 for wid, w in _workers(fleet).items() if wid in survivors),
+                       10, f"the survivors polled again after kill {cycle}")  # fmt: skip
+            proc = start_victim()
+        wait_until(lambda: _workers(fleet)["victim"]["state"] == "up", 30, "the victim back after the last kill")
+        listed = _admin(fleet, "GET").json()
+        assert listed["pool"]["last_tick_age_s"] < 5 and listed["pool"]["ticks"] > 0, listed["pool"]
+        assert _workers(fleet)["victim"]["downs"] == 4 and _workers(fleet)["victim"]["kv_events"] is True
+        metrics = httpx.get(fleet["url"] + "/metrics", timeout=10).text
+        assert f'kvroute:worker_up{{model_name="{MODEL}",worker="victim"}} 1.0' in metrics
+        age = [line for line in metrics.splitlines() if line.startswith("kvroute:worker_pool_last_tick_age_seconds{")]
+        assert age and float(age[0].rsplit(" ", 1)[1]) < 5, age
+    finally:
+        _admin(fleet, "DELETE", "/victim")
 
 
 def test_a_worker_with_kv_events_feeds_the_directory_exactly(fleet):
