@@ -15,18 +15,21 @@ the same way. The path is a folder every replica's node has, or an object-store 
 (``s3://bucket/loras``: ``X`` is then the objects under ``s3://bucket/loras/X``, which
 each replica fetches into its node's cache). It is looked at only where it is used, by
 the replica that loads the adapter, never on the ingress' node (which may lack it); no
-``X`` there is a 404 naming the adapter, the path and the replica's node.
+``X`` there is a 404 naming the adapter (the ingress logs the path and the replica's
+node), a bad one a 400 naming the file and field.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from kvroute.cluster.client import KVRouteClient
-from kvroute.deploy.errors import APIError
 from kvroute.replica.model_store import NOT_FOUND, is_uri
+
+log = logging.getLogger(__name__)
 
 LORA_FRESH_S = 1.0  # how long an ingress trusts its copy of the registry for a name it holds
 
@@ -53,11 +56,13 @@ class FleetAdapters:
             return False
         try:
             await self._load(name, source)
-        except ValueError as exc:  # (Ray carries the replica's error as text: its message tells "missing")
-            if NOT_FOUND not in str(exc):
-                raise  # there but bad: a 400 naming the file and field
-            raise APIError(404, f"The LoRA adapter {name!r} does not exist: {exc}", param="model",
-                           code="model_not_found") from None  # fmt: skip
+        except ValueError as exc:  # (Ray carries the replica's error as text: its message tells which)
+            if NOT_FOUND in str(exc):  # not on the loading replica's node: a 404 (the node is in the log)
+                log.warning("LoRA adapter %r: %s", name, exc)
+                return False
+            if "already loaded" in str(exc):  # that replica still holds an adapter of this name the
+                return False  # registry dropped (unloaded; its next sync drops it): not served now
+            raise  # there but bad: a 400 naming the file and field
         return True
 
     async def load_lora(self, name: str, path: str) -> None:

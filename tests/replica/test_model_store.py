@@ -39,10 +39,10 @@ ENGINE = dict(block_size=8, num_kv_blocks=32, max_model_len=64, dtype="float32")
 
 
 class S3Server:
-    """moto's S3 server on a free loopback port, in a thread of this process, with every
-    request it answers recorded as ``(method, path, query)``."""
+    """moto's S3 server on a loopback port (``0``: a free one), in a thread of this
+    process, with every request it answers recorded as ``(method, path, query)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
@@ -53,7 +53,7 @@ class S3Server:
             self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", "")))
             return app(environ, start_response)
 
-        self._server = make_server("127.0.0.1", 0, counting, threaded=True, request_handler=MotoRequestHandler)
+        self._server = make_server("127.0.0.1", port, counting, threaded=True, request_handler=MotoRequestHandler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
