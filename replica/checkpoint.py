@@ -62,9 +62,9 @@ def resolve_model(model: str, weights: bool = True) -> Path:
         path = Path(model).expanduser()
         if not path.exists():
             raise not_found(
-                "model folder", str(path.absolute()),
-                f"not an embedded model name either (known: {', '.join(EMBEDDED_MODELS)}); on a cluster the "
-                "folder must exist on every node that runs a replica or the ingress, or use an s3:// URI",
+                f"model {model!r} is neither an embedded model name (known: {', '.join(EMBEDDED_MODELS)}) nor an "
+                "existing folder: model folder", str(path.absolute()),
+                "on a cluster it must exist on every node that runs a replica or the ingress; or name an s3:// URI",
             )  # fmt: skip
         if not path.is_dir():
             raise ValueError(

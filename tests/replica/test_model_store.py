@@ -189,7 +189,8 @@ def test_missing_sources_name_the_source_and_the_node(s3_env: S3Server, tmp_path
     with pytest.raises(SourceNotFoundError, match=rf"s3://no-such-bucket/m not found on node {host} \(no bucket"):
         resolve_model("s3://no-such-bucket/m")
     missing = tmp_path / "x" / "y"
-    with pytest.raises(ValueError, match=rf"model folder {missing} not found on node {host} \(not an embedded"):
+    with pytest.raises(ValueError, match=rf"nor an existing folder: model folder {missing} not found on node {host} "
+                                         r"\(on a cluster it must exist on every node"):  # fmt: skip
         resolve_model(str(missing))
     with pytest.raises(ValueError, match=r"unsupported scheme 'gs://'; supported: local paths and s3://"):
         resolve_model("gs://bucket/model")

