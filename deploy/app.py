@@ -82,8 +82,9 @@ class DeploymentSpec(_Strict):
 
 class LoRAConfigSpec(_Strict):
     """Ray Serve LLM's ``lora_config``: LoRA adapters on every replica (``enable_lora``).
-    ``dynamic_lora_loading_path``: a local folder every replica sees; a request naming an
-    adapter X not loaded yet loads ``<path>/X`` (``deploy/fleet_adapters.py``).
+    ``dynamic_lora_loading_path``: a folder present on every node, or an ``s3://`` URI;
+    a request naming an adapter X not loaded yet has a replica load ``<path>/X``, resolved
+    on the replica's node (``deploy/fleet_adapters.py``).
     ``max_num_adapters_per_replica``: adapters resident at once (``max_loras``)."""
 
     dynamic_lora_loading_path: Optional[str] = Field(default=None, min_length=1)
@@ -349,7 +350,7 @@ async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
     from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
     from kvroute.replica.models.arch import ModelArch
 
-    path = await asyncio.to_thread(resolve_model, config.engine.model)
+    path = await asyncio.to_thread(resolve_model, config.engine.model, False)  # config and tokenizer: no weights here
     light = config.engine.emulate is not None
     tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
     arch = ModelArch.from_hf_config(load_hf_config(path, light))

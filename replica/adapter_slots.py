@@ -72,10 +72,10 @@ class AdapterSlots:
 
     def read(self, name: str, path: str | Path) -> AdapterInfo:
         """An adapter from a PEFT folder, its config alone (an engine without weights)."""
+        from kvroute.replica.lora_config import adapter_folder
+
         name = check_adapter_name(name)
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"LoRA adapter {name!r}: {folder} is not a directory")
+        folder = adapter_folder(name, path)  # a folder of this node, or its copy of an s3:// URI
         rank, _, _ = read_config(folder / CONFIG_FILE, self.max_rank)
         return AdapterInfo(name, folder, rank)
 

@@ -61,7 +61,7 @@ class Engine:
         from kvroute.replica.models.arch import ModelArch
 
         self.config = config
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, weights=config.emulate is None)  # an emulation reads no weights
         light = config.emulate is not None  # no model to run: no transformers config classes, no torch
         self.arch = ModelArch.from_hf_config(load_hf_config(self.model_path, light))
         self.tokenizer = load_tokenizer(self.model_path, light)
