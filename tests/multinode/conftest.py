@@ -4,7 +4,8 @@ Serve application deployed on it with the real ``serve deploy`` CLI.
 
 Fixtures:
 
-- ``netns_cluster`` (session): the running ``NetnsCluster``. Nodes: ``head``
+- ``netns_cluster`` (package: up while tests/multinode/ runs, down before the rest
+  of the suite goes on): the running ``NetnsCluster``. Nodes: ``head``
   (``--num-cpus 0`` plus the custom resource ``INGRESS_RESOURCE``), ``w1`` and ``w2``
   (2 CPUs each). Handles: ``cluster.nodes[name].ip`` / ``.url()`` (Serve's proxy on that
   node, port 8000), ``cluster.kill_node(name)`` (SIGKILL of every process of the node),
@@ -12,8 +13,8 @@ Fixtures:
   ``cluster.serve_details()``, ``cluster.replicas(app, deployment)``,
   ``cluster.alive_nodes()``, ``cluster.get(dashboard_path)``. Torn down (every process
   of every namespace killed, namespaces, veths and bridge deleted) at the end of the
-  session, also when a test or the start fails.
-- ``kvroute_app`` (session): the application ``APP`` deployed from
+  package's tests, also when a test or the start fails.
+- ``kvroute_app`` (package): the application ``APP`` deployed from
   ``serve_config()``, two engine replicas ready and registered with the router.
   A test that changes the deployment (redeploy, node loss) restores what it changed,
   or ends the module.
@@ -28,7 +29,7 @@ replica there. ``serve_config(pin_ingress_to_head=False)`` leaves the product's
 placement (the ingress then lands on a worker, next to an engine replica).
 
 Env knobs: ``KVROUTE_MULTINODE_KEEP=1`` keeps ``/tmp/kvt<pid>/`` (every node's Ray
-logs) after the session.
+logs) after the run.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ INGRESS_RESOURCE = "kvroute_ingress"
 # Small engines: two of them and the cluster's daemons share this 2-core box.
 SMALL_ENGINE = {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 256, "max_num_seqs": 8, "dtype": "float32",
                 "enable_prefix_caching": True}  # fmt: skip
-# Nodes are declared dead after health_check_failure_threshold × period without an
-# answer (Ray's defaults: 5 × 3 s); a shorter period only shortens the node-loss test.
-HEAD_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
 def serve_config(
@@ -73,12 +71,16 @@ def serve_config(
     engine_kwargs: Optional[dict[str, Any]] = None,
     ingress: Optional[dict[str, Any]] = None,
     pin_ingress_to_head: bool = True,
+    one_replica_per_node: bool = True,
     proxy_location: str = "EveryNode",
 ) -> dict[str, Any]:
     """A Serve config built from ``deploy/serve.yaml`` (its shape and fields), with the
     small test engine, ``torch_threads: 1``, ``num_replicas`` engine replicas of 1 CPU,
     a proxy on every node that has a replica (and the head) listening on 0.0.0.0:8000,
-    and (``pin_ingress_to_head``) the ingress on the head."""
+    (``pin_ingress_to_head``) the ingress on the head, and (``one_replica_per_node``)
+    Serve's ``max_replicas_per_node: 1`` for the engine: one replica per worker, and a
+    replica lost with its node waits for a node without one (the restarted node)
+    instead of doubling up on the survivor."""
     config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
     config["proxy_location"] = proxy_location
     config["http_options"] = {**config.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
@@ -94,10 +96,14 @@ def serve_config(
     dep["num_replicas"] = num_replicas
     dep["ray_actor_options"] = {"num_cpus": 1}
     app["args"]["ingress"] = {**app["args"].get("ingress", {}), **(ingress or {})}
+    overrides = []  # Serve's per-deployment options, applied over build_app's
     if pin_ingress_to_head:
-        app["deployments"] = [
-            {"name": "OpenAIIngress", "ray_actor_options": {"num_cpus": 0, "resources": {INGRESS_RESOURCE: 1}}}
-        ]
+        overrides.append({"name": "OpenAIIngress",
+                          "ray_actor_options": {"num_cpus": 0, "resources": {INGRESS_RESOURCE: 1}}})  # fmt: skip
+    if one_replica_per_node:
+        overrides.append({"name": "EngineReplica", "max_replicas_per_node": 1})
+    if overrides:
+        app["deployments"] = overrides
     return config
 
 
@@ -151,7 +157,7 @@ def deploy_and_wait(cluster: NetnsCluster, config: dict[str, Any], num_replicas:
     return wait_fleet(cluster, config["applications"][0]["name"], num_replicas, timeout_s)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def netns_cluster(smollm2_path: Path) -> Iterator[NetnsCluster]:
     reason = namespaces_unavailable()
     if reason is not None:
@@ -162,7 +168,7 @@ def netns_cluster(smollm2_path: Path) -> Iterator[NetnsCluster]:
     # The embedded model is converted once (the session's cache) and copied, as hard
     # links, into every node's own cache: each node still resolves it from its cache.
     cluster = NetnsCluster(bin_dir=Path(sys.executable).parent, workers=(2, 2),
-                           head_resources={INGRESS_RESOURCE: 100}, head_env=HEAD_ENV,
+                           head_resources={INGRESS_RESOURCE: 100},
                            seed_cache=[smollm2_path])  # fmt: skip
     keep = os.environ.get("KVROUTE_MULTINODE_KEEP") == "1"
 
@@ -172,7 +178,7 @@ def netns_cluster(smollm2_path: Path) -> Iterator[NetnsCluster]:
         except Exception as exc:  # teardown must not hide the tests' result
             print(f"multinode: teardown: {exc}", file=sys.stderr)
 
-    atexit.register(stop)  # a session killed past pytest's finalizers still cleans up
+    atexit.register(stop)  # a session that exits past pytest's finalizers still cleans up
     try:
         cluster.start()
         print(f"multinode: cluster up in {cluster.timings['start_s']:.1f} s: "
@@ -183,7 +189,7 @@ def netns_cluster(smollm2_path: Path) -> Iterator[NetnsCluster]:
         atexit.unregister(stop)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kvroute_app(netns_cluster: NetnsCluster) -> Iterator[dict[str, Any]]:
     """The application ``APP`` on the cluster; yields {"config", "placement": {replica
     id: node name}, "deploy_s"}."""

@@ -36,6 +36,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,13 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def namespaces_unavailable() -> Optional[str]:
@@ -326,8 +334,14 @@ class NetnsCluster:
             cmd += ["--address", f"{self.head.ip}:{HEAD_PORT}"]
         env_args = [f"{k}={v}" for k, v in self.node_env(node).items()]
         log = open(node.log, "wb")
+        # Started from the main thread, the node gets SIGTERM (`ray start --block` then
+        # stops its Ray processes) if this process dies without tearing down: a pytest
+        # killed by a timeout leaves no cluster running. Not from another thread: the
+        # signal comes when the starting *thread* exits.
+        in_main = threading.current_thread() is threading.main_thread()
         node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, "env", "-i", *env_args, *cmd],
-                                     stdout=log, stderr=subprocess.STDOUT, cwd=node.dir, start_new_session=True)  # fmt: skip
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=node.dir, start_new_session=True,
+                                     preexec_fn=_die_with_parent if in_main else None)  # fmt: skip
         log.close()
 
     # ------------------------------------------------------------------ talk to it
