@@ -15,9 +15,15 @@ Fixtures:
   of every namespace killed, namespaces, veths and bridge deleted) at the end of the
   package's tests, also when a test or the start fails.
 - ``kvroute_app`` (package): the application ``APP`` deployed from
-  ``serve_config()``, two engine replicas ready and registered with the router.
-  A test that changes the deployment (redeploy, node loss) restores what it changed,
-  or ends the module.
+  ``serve_config()``, two engine replicas (one per worker) ready and registered with
+  the router; a dict with ``placement`` ({replica id: node name}). A test that changes
+  the deployment or the nodes (redeploy, node loss) restores them before it ends, also
+  when it fails (``restart_node``, ``deploy_and_wait(cluster, serve_config())``), and
+  updates ``placement``.
+
+Helpers for more scenarios: ``serve_config(**options)`` (a config dict),
+``deploy_and_wait(cluster, config)``, ``wait_fleet(cluster)``, ``metric_samples`` /
+``per_replica`` (``/metrics`` by replica id).
 
 Where the ingress runs: the head has no CPUs (so no engine replica can land there),
 while the OpenAI ingress asks for ``ingress.num_cpus`` (0.5). ``serve_config`` pins the
@@ -27,6 +33,10 @@ ingress to the head through the Serve config's per-deployment override
 alternative, a CPU on the head, would let Serve's SPREAD scheduling put an engine
 replica there. ``serve_config(pin_ingress_to_head=False)`` leaves the product's
 placement (the ingress then lands on a worker, next to an engine replica).
+
+Nodes run Ray's default health checks (a killed node is counted dead about 10-15 s
+later); the client side's resume does not wait for that (the streams on a killed
+replica fail over within seconds).
 
 Env knobs: ``KVROUTE_MULTINODE_KEEP=1`` keeps ``/tmp/kvt<pid>/`` (every node's Ray
 logs) after the run.
@@ -59,7 +69,11 @@ REPO = Path(__file__).resolve().parents[2]
 APP = "kvroute"
 MODEL = "smollm2-135m-instruct"
 INGRESS_RESOURCE = "kvroute_ingress"
-# Small engines: two of them and the cluster's daemons share this 2-core box.
+# Small engines: two of them and the cluster's daemons share this 2-core box. float32:
+# with dtype auto (bf16 on AVX512-BF16 CPUs) a stream resumed on another replica (its
+# prompt and streamed tokens prefilled at once) drifted from the undisturbed run's
+# greedy text some 25 tokens after the resume (2 of 4 streams, one run in three);
+# float32 kept them equal in every run.
 SMALL_ENGINE = {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 256, "max_num_seqs": 8, "dtype": "float32",
                 "enable_prefix_caching": True}  # fmt: skip
 

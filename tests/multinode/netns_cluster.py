@@ -14,8 +14,9 @@ TMPDIR, KVROUTE_CACHE / KVROUTE_CACHE_DIR and Ray ``--temp-dir`` under
 ``/tmp/kvt<pid>/<node>/``, and the same Ray auth token (one token, written to every
 node's ``~/.ray/auth_token``; every node runs with ``RAY_AUTH_MODE=token``, since a
 worker's ``ray start --address`` does not turn token auth on from the file by itself).
-Processes in a namespace reach only its loopback and the bridge's subnet: no default
-route is set.
+No namespace has a default route: its processes reach its loopback, the other nodes,
+and the bridge's own address (the root namespace, where the tests' clients run; the
+nodes open no connection to it, but nothing here firewalls it: no iptables on the box).
 
 Killing a node SIGKILLs every process in its namespace (``ip netns pids``) until none
 is left: the raylet, the node's dashboard agent, log monitor and every worker process
@@ -150,7 +151,8 @@ def cleanup_stale(base: Path = Path("/tmp")) -> list[str]:
 
 
 def _free_subnet() -> str:
-    used = set(re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", _run(["ip", "-4", "-o", "addr"], check=False).stdout))
+    taken = _run(["ip", "-4", "-o", "addr"], check=False).stdout + _run(["ip", "-4", "route"], check=False).stdout
+    used = set(re.findall(rf"{re.escape(SUBNET)}\.(\d+)\.", taken))
     start = os.getpid() % 200 + 20
     for i in range(200):
         x = str((start + i) % 200 + 20)
@@ -169,6 +171,7 @@ class Node:
     num_cpus: int
     resources: dict[str, float] = field(default_factory=dict)
     head: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # this node's own extra variables
     proc: Optional[subprocess.Popen] = None
     starts: int = 0
 
@@ -314,6 +317,7 @@ class NetnsCluster:
         }
         if node.head:
             env.update(self.head_env)
+        env.update(node.env)
         return env
 
     def _start_node(self, node: Node) -> None:
@@ -462,14 +466,34 @@ class NetnsCluster:
             node.proc.wait(timeout=10)
         return killed
 
-    def restart_node(self, name: str, timeout_s: float = 120.0) -> str:
+    def restart_node(self, name: str, timeout_s: float = 120.0, env: Optional[dict[str, Optional[str]]] = None) -> str:
         """Start a killed node again (same namespace, IP, HOME and cache; a fresh Ray
-        temp dir); returns its new Ray node id once the GCS counts it alive."""
+        temp dir); returns its new Ray node id once the GCS counts it alive. ``env``
+        changes the node's own variables from now on (None removes one), e.g.
+        ``{"KVROUTE_API_KEY": "k"}`` for every process Ray starts there."""
         node = self.nodes[name]
         if node.pids():
             raise RuntimeError(f"node {name} still has processes {node.pids()}; kill_node first")
+        for key, value in (env or {}).items():
+            if value is None:
+                node.env.pop(key, None)
+            else:
+                node.env[key] = value
         self._start_node(node)
         return self.wait_nodes_alive([name], timeout_s)[node.ip]
+
+    def spawn(self, name: str, cmd: Sequence[str], log: Optional[Path] = None,
+              env: Optional[dict[str, str]] = None) -> subprocess.Popen:  # fmt: skip
+        """Run ``cmd`` on node ``name`` (in its namespace, with its environment plus
+        ``env``), e.g. an external ``kvroute serve-replica`` worker; it dies with the
+        node (``kill_node``, ``stop``). Output goes to ``log`` (default: a file in the
+        node's folder)."""
+        node = self.nodes[name]
+        log = log or node.dir / f"spawn-{time.monotonic_ns()}.log"
+        env_args = [f"{k}={v}" for k, v in {**self.node_env(node), **(env or {})}.items()]
+        with open(log, "wb") as out:
+            return subprocess.Popen(["ip", "netns", "exec", node.ns, "env", "-i", *env_args, *cmd], stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=node.dir, start_new_session=True)  # fmt: skip
 
     def tail(self, name: str, lines: int = 30) -> str:
         node = self.nodes.get(name)

@@ -99,6 +99,23 @@ STREAMS = 4
 STREAM_TOKENS = 96
 
 
+def _restore(cluster, kvroute_app) -> float:
+    """Undo a node loss for the package's later tests: every node without processes
+    started again, the package's own config deployed (a no-op where it still runs), one
+    engine replica per worker registered, the ingress on the head. Returns the seconds
+    taken."""
+    started = time.monotonic()
+    for name, node in cluster.nodes.items():
+        if not node.pids():
+            cluster.restart_node(name)
+    placement = deploy_and_wait(cluster, serve_config())
+    kvroute_app["placement"] = placement
+    assert sorted(placement.values()) == ["w1", "w2"], placement
+    cluster.wait_for(lambda: [cluster.node_of_ip(r["node_ip"]) for r in cluster.replicas(APP, "OpenAIIngress")]
+                     == ["head"], 120, "the ingress on the head")  # fmt: skip
+    return time.monotonic() - started
+
+
 async def _streams(url: str, progress: list[int], during=None) -> list:
     """``STREAMS`` greedy streaming completions through ``url``; ``during(tasks)`` runs
     alongside. Each result: (text, usage, finish_reason), or the exception it raised."""
@@ -170,33 +187,31 @@ def test_streams_survive_sigkill_of_a_whole_worker_node(netns_cluster, kvroute_a
         report["killed_pids"] = await asyncio.to_thread(cluster.kill_node, victim)
         report["killed_at"] = time.monotonic()
 
-    results = asyncio.run(_streams(url, progress, chaos))
-    done_s = time.monotonic() - report["killed_at"]
-    print(f"router actors on {routers}; killing {victim}; streams per node at the kill: {report['running']}; tokens streamed then: "
-          f"{report['progress_at_kill']}; {len(report['killed_pids'])} processes of {victim} killed; "
-          f"streams ended {done_s:.1f} s after the kill")
-    errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors
-    assert report["running"].get(victim, 0) >= 1, f"no stream ran on {victim}: {report['running']}"
-    for text, usage, finish in results:
-        assert usage is not None and usage.completion_tokens == STREAM_TOKENS and finish == "length", (usage, finish)
-    differ = [i for i, (a, b) in enumerate(zip(undisturbed, results)) if a[0] != b[0]]
-    assert not differ, "streams differ from the undisturbed run:\n" + "\n".join(
-        f"{i} (at the kill: {report['progress_at_kill'][i]} chunks)\n  undisturbed {undisturbed[i][0]!r}\n"
-        f"  disturbed   {results[i][0]!r}" for i in differ)
-    # after the kill: served through the survivor's and the head's proxies
-    for entry in (survivor, "head"):
-        r = _client(cluster.nodes[entry].url()).completions.create(model=MODEL, prompt="After the storm", max_tokens=4)
-        assert r.usage.completion_tokens == 4
-    dead_s = cluster.wait_node_dead(victim)
-
-    # the node back: a new Ray node on the same namespace and IP; Serve has two replicas again
-    started = time.monotonic()
-    cluster.restart_node(victim)
-    kvroute_app["placement"] = wait_fleet(cluster)
-    print(f"{victim} counted dead by the GCS {dead_s:.1f} s after the requests; restarted, and two replicas "
-          f"registered again {time.monotonic() - started:.1f} s later: {kvroute_app['placement']}")
-    assert sorted(kvroute_app["placement"].values()) == ["w1", "w2"], kvroute_app["placement"]
+    try:
+        results = asyncio.run(_streams(url, progress, chaos))
+        done_s = time.monotonic() - report["killed_at"]
+        print(f"router actors on {routers}; killed {victim} ({len(report['killed_pids'])} processes); streams per "
+              f"node at the kill: {report['running']}; chunks streamed then: {report['progress_at_kill']}; streams "
+              f"ended {done_s:.1f} s after the kill")
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        assert report["running"].get(victim, 0) >= 1, f"no stream ran on {victim}: {report['running']}"
+        for text, usage, finish in results:
+            assert usage is not None and usage.completion_tokens == STREAM_TOKENS and finish == "length", (usage, finish)
+        differ = [i for i, (a, b) in enumerate(zip(undisturbed, results)) if a[0] != b[0]]
+        assert not differ, "streams differ from the undisturbed run:\n" + "\n".join(
+            f"{i} (at the kill: {report['progress_at_kill'][i]} chunks)\n  undisturbed {undisturbed[i][0]!r}\n"
+            f"  disturbed   {results[i][0]!r}" for i in differ)
+        # after the kill: served through the survivor's and the head's proxies
+        for entry in (survivor, "head"):
+            r = _client(cluster.nodes[entry].url()).completions.create(model=MODEL, prompt="After the storm",
+                                                                       max_tokens=4)  # fmt: skip
+            assert r.usage.completion_tokens == 4
+        dead_s = cluster.wait_node_dead(victim)
+        print(f"{victim} counted dead by the GCS {dead_s:.1f} s after the requests")
+    finally:  # the node back (a new Ray node, same namespace and IP), a replica on it again
+        restore_s = _restore(cluster, kvroute_app)
+        print(f"{victim} restarted, two replicas registered again {restore_s:.1f} s later: {kvroute_app['placement']}")
 
 
 @pytest.mark.xfail(
@@ -212,9 +227,15 @@ def test_streams_survive_the_loss_of_the_ingress_node(netns_cluster, kvroute_app
     """The product's own ingress placement (no pin: the head has no CPU, so the ingress
     lands on a worker), four streams through the other worker's proxy, then the
     ingress's node SIGKILLed: every stream should still end with all its tokens."""
+    try:
+        _lose_the_ingress_node(netns_cluster)
+    finally:  # the node back, the ingress on the head again
+        _restore(netns_cluster, kvroute_app)
+
+
+def _lose_the_ingress_node(cluster) -> None:
     import asyncio
 
-    cluster = netns_cluster
     deploy_and_wait(cluster, serve_config(pin_ingress_to_head=False))
 
     def moved():
@@ -225,7 +246,7 @@ def test_streams_survive_the_loss_of_the_ingress_node(netns_cluster, kvroute_app
     victim = cluster.wait_for(moved, 120, "the one ingress replica running on a worker")
     survivor = "w1" if victim == "w2" else "w2"
     progress = [0] * STREAMS
-    report: dict = {}
+    report: dict = {"progress_at_kill": None}
 
     async def chaos(tasks):
         deadline = time.monotonic() + 120
@@ -235,18 +256,12 @@ def test_streams_survive_the_loss_of_the_ingress_node(netns_cluster, kvroute_app
         report["progress_at_kill"] = list(progress)
         report["killed_pids"] = await asyncio.to_thread(cluster.kill_node, victim)
 
-    try:
-        results = asyncio.run(_streams(cluster.nodes[survivor].url(), progress, chaos))
-        errors = [r for r in results if isinstance(r, BaseException)]
-        print(f"ingress on {victim}, streams through {survivor}'s proxy; chunks at the kill {report['progress_at_kill']}, "
-              f"at the end {progress}; {len(errors)} of {STREAMS} streams failed: "
-              + "; ".join(sorted({f"{type(e).__name__} <- {e.__cause__!r}" for e in errors})))
-        if errors:
-            raise errors[0]
-        for text, usage, finish in results:
-            assert usage.completion_tokens == STREAM_TOKENS and finish == "length", (usage, finish)
-    finally:  # the node back, the ingress on the head again: the package's other tests find the layout they expect
-        cluster.restart_node(victim)
-        kvroute_app["placement"] = deploy_and_wait(cluster, serve_config())
-        cluster.wait_for(lambda: [cluster.node_of_ip(r["node_ip"]) for r in cluster.replicas(APP, "OpenAIIngress")]
-                         == ["head"], 120, "the ingress back on the head")  # fmt: skip
+    results = asyncio.run(_streams(cluster.nodes[survivor].url(), progress, chaos))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    print(f"ingress on {victim}, streams through {survivor}'s proxy; chunks at the kill {report['progress_at_kill']}, "
+          f"at the end {progress}; {len(errors)} of {STREAMS} streams failed: "
+          + "; ".join(sorted({f"{type(e).__name__} <- {e.__cause__!r}" for e in errors})))
+    if errors:
+        raise errors[0]
+    for text, usage, finish in results:
+        assert usage.completion_tokens == STREAM_TOKENS and finish == "length", (usage, finish)
