@@ -3,35 +3,25 @@ OpenAI-compatible servers (vLLM, ``kvroute serve-replica``) exist, which are up,
 what the router actors know of them.
 
 One ``WorkerPool`` per application, a detached Ray actor that every ingress replica asks
-for the workers that are up. Each worker has its own tick, every ``poll_interval_s``:
-an up worker's ``/metrics`` becomes ``LoadFigures`` (``deploy/worker_load.py``: vLLM's
-gauges, and the worker's prefill rate and decode step, measured or estimated) handed to
-every router actor (``report_load``, also the worker's sign of life); a worker whose
-poll fails, or that an ingress reports dead (``mark_down``), is removed from every
-router and probed (``/health``, then ``/v1/models``) until it answers again. A worker
-comes up only if it serves the application's model; its LoRA adapters (the
-``/v1/models`` entries with a ``parent``) are read again every ``MODELS_REFRESH_S``. Its
-cache entries come from its KV events where it has an event endpoint
-(``cluster/kv_subscriber.py``'s ``KVEventSubscriber`` registers it and streams them;
-``/admin/workers`` says ``"unreachable"`` while the endpoint takes no TCP connection);
-without one it is registered with an empty cache, and the routers' own pending runs and
-load increments carry routing.
+for the up workers. Every ``poll_interval_s`` each up worker's ``/metrics`` becomes
+``LoadFigures`` (``deploy/worker_load.py``) handed to every router (``report_load``, also
+its sign of life); a worker whose poll fails, or that an ingress reports dead
+(``mark_down``), leaves every router and is probed (``/health``, ``/v1/models``: it must
+serve the application's model) until it answers again. Its LoRA adapters are read again
+every ``MODELS_REFRESH_S``. Its cache entries come from its KV events where it has an
+event endpoint (``deploy/worker_state.py``); without one it is registered empty.
 
-No worker can stall the others: every HTTP call is bounded (``HTTP_TIMEOUT_S``, the
-whole answer), every router call too (``ROUTER_TIMEOUT_S``), and a worker's tick runs as
-its own task under ``TICK_TIMEOUT_S``; a round of ticks waits for the slow ones only
-until the next round is due, and a worker whose tick is still running is not ticked
-again. Taking a worker out is one step with no await in it (``_detach``: down, its
-subscriber handed over, a new ``generation``), so a failed poll and an ingress' report
-of the same death take it out once and stop its subscriber once; a tick that began
-before a take-out drops what it learnt. The pool's own liveness (ticks, the time of the
-last completed round) is in ``describe()``, ``/admin/workers`` and ``/metrics``.
-
-As an actor the pool keeps its worker list (config, then ``add`` and ``remove``) in the
-GCS internal KV under its actor name (``cluster/saved_state.py``) and, when Ray restarts
-it, starts from that list, so workers added at run time survive a pool crash. On a Ray
-cluster of more than one node, loopback and unspecified addresses are refused
-(``deploy/worker_probe.py``: they name a different host in every process).
+No worker stalls the others: every HTTP call is bounded (``HTTP_TIMEOUT_S``, the whole
+answer) and so is every router call; each worker ticks as its own task under
+``TICK_TIMEOUT_S``, a round waits for slow ticks only until the next is due, and a worker
+still ticking is skipped. A take-out is one step with no await (``_detach``: down, the
+subscriber handed over, a new ``generation``), so a failed poll and an ingress' report of
+one death take it out once and stop its subscriber once, and a tick begun before it
+drops what it learnt. The pool's liveness (rounds, the last one's age) is in
+``describe()``, ``/admin/workers`` and ``/metrics``. As an actor it keeps its worker list
+in the GCS internal KV under its actor name and starts from it when Ray restarts it, so
+runtime ``add``/``remove`` survive a crash; on a cluster of several nodes it refuses
+loopback addresses (``deploy/worker_probe.py``).
 
 Load tickets: a worker does not know the routers' tickets, so a poll's figures count
 every request routed more than ``TRANSIT_MARGIN_US`` before the poll started (its
@@ -58,10 +48,8 @@ from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.cluster.saved_state import load_json, save_json
 from kvroute.deploy import worker_probe as probe
 from kvroute.deploy.worker_load import parse_load
-from kvroute.deploy.worker_state import Worker, WorkerSpec, adapters_of, describe_worker, start_subscriber, subscribe
+from kvroute.deploy.worker_state import Worker, WorkerSpec, adapters_of, describe_worker, recheck_events, subscribe
 from kvroute.replica.kv_events import LoadFigures
-
-__all__ = ["WorkerPool", "WorkerSpec", "start_subscriber", "get_or_create_worker_pool", "kill_worker_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +87,6 @@ class WorkerPool:
         if saved is not None:
             log.warning("worker pool restarted: %d workers restored from %s", len(self.workers), self.state_key)
         self._save()
-        self._client: Optional[httpx.AsyncClient] = None
         self._task: Optional[asyncio.Task] = None
         self._background: set[asyncio.Task] = set()
         self.ticks = 0  # rounds of ticks completed
@@ -146,6 +133,7 @@ class WorkerPool:
         try:
             await asyncio.wait_for(self._probe(w), TICK_TIMEOUT_S)
         except ValueError as exc:
+            await w.close_client()
             return {"error": str(exc), "status": 400}
         except asyncio.TimeoutError:
             w.last_error = f"probe did not finish within {TICK_TIMEOUT_S:g} s"
@@ -177,6 +165,7 @@ class WorkerPool:
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(self._take_out(w, "pool stopped") for w in self.workers.values()), return_exceptions=True)
+        await asyncio.gather(*(w.close_client() for w in self.workers.values()), return_exceptions=True)
 
     def nodes(self) -> int:
         return self._nodes if self._nodes is not None else probe.cluster_nodes()
@@ -184,7 +173,6 @@ class WorkerPool:
     # ------------------------------------------------------------------ loop
     def _start(self) -> None:
         if self._task is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(HTTP_TIMEOUT_S))
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def _spawn(self, coro: Awaitable) -> None:
@@ -194,8 +182,9 @@ class WorkerPool:
 
     async def _loop(self) -> None:
         """One round per ``poll_interval_s``: a tick task for every worker not ticking
-        already, waited for until the next round is due at most."""
+        already, waited for until the next round is due at most (at least a second)."""
         while True:
+            began = time.monotonic()
             try:
                 for w in list(self.workers.values()):
                     if w.task is None or w.task.done():
@@ -207,7 +196,7 @@ class WorkerPool:
                 self.last_tick_at, self._last_tick_mono = time.time(), time.monotonic()
             except Exception:  # never let the loop end: the pool would go silent for good
                 log.exception("worker pool round failed")
-            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - began)))
 
     async def _guarded_tick(self, w: Worker) -> None:
         try:
@@ -249,14 +238,11 @@ class WorkerPool:
             w.adapters, w.models_at = adapters, time.monotonic()
         await self._report(w, gen)
         if w.spec.kv_events_endpoint and time.monotonic() - w.events_checked_at >= EVENTS_RECHECK_S:
-            await self._check_events(w, gen)
-
-    async def _get(self, w: Worker, path: str) -> httpx.Response:
-        return await probe.bounded_get(self._client, w.spec.url + path, HTTP_TIMEOUT_S)
+            await recheck_events(w, gen, self.config, self.routers)
 
     async def _poll(self, w: Worker) -> tuple[LoadFigures, dict[str, int]]:
         ticket = time.time_ns() // 1000 - TRANSIT_MARGIN_US
-        r = await self._get(w, "/metrics")
+        r = await w.get(HTTP_TIMEOUT_S, "/metrics")
         r.raise_for_status()
         w.counters["polls"] += 1
         return parse_load(r.text, ticket, w.rates)
@@ -266,7 +252,7 @@ class WorkerPool:
         another); otherwise note why and leave it down."""
         gen = w.generation
         try:
-            if (await self._get(w, "/health")).status_code != 200:
+            if (await w.get(HTTP_TIMEOUT_S, "/health")).status_code != 200:
                 w.last_error = "health probe did not answer 200"
                 return
             models = await self._models(w)
@@ -297,26 +283,14 @@ class WorkerPool:
             await self._register(w)
         log.info("worker %s (%s) is up: %s, %d KV blocks", w.spec.worker_id, w.spec.url, w.model, w.capacity)
 
-    async def _check_events(self, w: Worker, gen: int) -> None:
-        error = await probe.endpoint_error(w.spec.kv_events_endpoint)
-        if w.generation != gen or not w.up:
-            return
-        if w.subscriber is None:  # its endpoint could not be bound before: try again
-            subscribe(w, error, self.config, self.routers)
-            if w.subscriber is None:
-                return
-        elif bool(error) != bool(w.events_error):
-            log.warning("worker %s: KV event endpoint %s", w.spec.worker_id, error or "reachable again")
-        w.events_error, w.events_checked_at = error or "", time.monotonic()
-
     async def _models(self, w: Worker) -> list[dict[str, Any]]:
-        r = await self._get(w, "/v1/models")
+        r = await w.get(HTTP_TIMEOUT_S, "/v1/models")
         r.raise_for_status()
         return r.json()["data"]
 
     async def _server_info_capacity(self, w: Worker) -> int:
         """``serve-replica``'s ``/get_server_info`` names its KV blocks; else unknown."""
-        r = await self._get(w, "/get_server_info")
+        r = await w.get(HTTP_TIMEOUT_S, "/get_server_info")
         blocks = r.json().get("num_kv_blocks") if r.status_code == 200 else None
         return int(blocks) if isinstance(blocks, int) and blocks > 0 else UNKNOWN_CAPACITY_BLOCKS
 
@@ -357,6 +331,8 @@ class WorkerPool:
                 log.warning("worker %s: its KV event subscriber did not stop in time", w.spec.worker_id)
         if w.generation == gen and not w.up:
             await probe.bounded([r.remove_replica.remote(w.spec.worker_id) for r in self.routers], ROUTER_TIMEOUT_S)
+        if self.workers.get(w.spec.worker_id) is not w:  # removed: close its connections
+            await w.close_client()
 
     async def _take_out(self, w: Worker, reason: str) -> None:
         await self._release(w, self._detach(w, reason))

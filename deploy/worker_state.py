@@ -1,7 +1,7 @@
 """One external worker as the pool (``deploy/worker_pool.py``) holds it: its spec (what
 ``serve.yaml``'s ``workers`` and ``POST /admin/workers`` give), what the pool learnt of
 it (up or down, the model and adapters it serves, its load, why it failed), its KV event
-subscriber, and how ``/admin/workers`` shows it.
+subscriber, and how ``/admin/workers`` and ``/metrics`` show it.
 
 A worker with a KV event endpoint gets a ``KVEventSubscriber`` once it is up
 (``subscribe``), whether or not the endpoint takes a TCP connection then (a ZMQ SUB
@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+import httpx
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.kv_subscriber import KVEventSubscriber
 from kvroute.deploy.worker_load import WorkerRates
+from kvroute.deploy.worker_probe import bounded_get, endpoint_error
 from kvroute.replica.kv_events import LoadFigures
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,20 @@ class Worker:
     ticked_at: Optional[float] = None  # time.monotonic() of its last finished tick
     events_error: str = ""  # why its KV event endpoint is not usable ("" while it is)
     events_checked_at: float = 0.0
+    client: Optional[httpx.AsyncClient] = None  # its own HTTP client (the pool's event loop)
+
+    async def get(self, timeout_s: float, path: str) -> httpx.Response:
+        """GET ``path`` of the worker, its whole answer within ``timeout_s``. One client
+        (and kept connection) per worker: one shared client's pool scans every
+        connection per request, which grows with the fleet."""
+        if self.client is None:
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        return await bounded_get(self.client, self.spec.url + path, timeout_s)
+
+    async def close_client(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.aclose()
 
 
 def adapters_of(models: list[dict[str, Any]]) -> dict[str, str]:
@@ -110,6 +126,22 @@ def subscribe(w: Worker, events_error: Optional[str], config: ClusterConfig, rou
         log.warning("worker %s: %s", w.spec.worker_id, w.events_error)
 
 
+async def recheck_events(w: Worker, gen: int, config: ClusterConfig, routers: list) -> None:
+    """Check ``w``'s event endpoint again (its tick, every few seconds): the error shown
+    follows it, and a subscriber that could not start before is started now. Nothing
+    changes if ``w`` was taken out meanwhile (``gen``)."""
+    error = await endpoint_error(w.spec.kv_events_endpoint)
+    if w.generation != gen or not w.up:
+        return
+    if w.subscriber is None:  # its endpoint could not be bound before: try again
+        subscribe(w, error, config, routers)
+        if w.subscriber is None:
+            return
+    elif bool(error) != bool(w.events_error):
+        log.warning("worker %s: KV event endpoint %s", w.spec.worker_id, error or "reachable again")
+    w.events_error, w.events_checked_at = error or "", time.monotonic()
+
+
 def describe_worker(w: Worker, now: float) -> dict[str, Any]:
     """``w`` as ``/admin/workers`` lists it (``now``: ``time.monotonic()``)."""
     sub = w.subscriber
@@ -125,3 +157,42 @@ def describe_worker(w: Worker, now: float) -> dict[str, Any]:
                                              "decode_step_s": w.load.decode_step_s},
         **w.counters,
     }  # fmt: skip
+
+
+def pool_metrics_text(described: Optional[dict[str, Any]], model_name: str) -> bytes:
+    """A pool's ``describe()`` (None: it did not answer) as Prometheus text:
+    ``kvroute:worker_pool_up``, ``kvroute:worker_pool_last_tick_age_seconds`` (since its
+    last completed round of polls: it grows while its loop is stuck),
+    ``kvroute:worker_pool_ticks_total``, and per worker ``kvroute:worker_up``,
+    ``kvroute:worker_polls_total`` and ``kvroute:worker_last_tick_age_seconds``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import generate_latest
+
+    one, labels = ["model_name"], ["model_name", "worker"]
+    up = GaugeMetricFamily("kvroute:worker_pool_up", "1 when the worker pool answered this scrape.", labels=one)
+    up.add_metric([model_name], float(described is not None))
+    families = [up]
+    if described is not None:
+        pool = described["pool"]
+        age = GaugeMetricFamily("kvroute:worker_pool_last_tick_age_seconds",
+                                "Seconds since the worker pool last completed a round of polls.", labels=one)  # fmt: skip
+        if pool["last_tick_age_s"] is not None:
+            age.add_metric([model_name], pool["last_tick_age_s"])
+        ticks = CounterMetricFamily("kvroute:worker_pool_ticks", "Rounds of polls the worker pool completed.", labels=one)
+        ticks.add_metric([model_name], pool["ticks"])
+        w_up = GaugeMetricFamily("kvroute:worker_up", "1 while the worker is in routing.", labels=labels)
+        polls = CounterMetricFamily("kvroute:worker_polls", "Successful /metrics polls of the worker.", labels=labels)
+        w_age = GaugeMetricFamily("kvroute:worker_last_tick_age_seconds",
+                                  "Seconds since the worker's last finished poll or probe.", labels=labels)  # fmt: skip
+        for w in described["workers"]:
+            w_up.add_metric([model_name, w["id"]], float(w["state"] == "up"))
+            polls.add_metric([model_name, w["id"]], w["polls"])
+            if w["last_tick_age_s"] is not None:
+                w_age.add_metric([model_name, w["id"]], w["last_tick_age_s"])
+        families += [age, ticks, w_up, polls, w_age]
+
+    class _Families:
+        def collect(self) -> list:
+            return families
+
+    return generate_latest(_Families())  # type: ignore[arg-type]

@@ -277,48 +277,16 @@ def _stream_usage(tail: bytes) -> Optional[dict[str, Any]]:
 
 
 async def pool_metrics(pool: Any, model_name: str) -> bytes:
-    """The pool's own liveness and its workers' state, as Prometheus text for
-    ``/metrics``: ``kvroute:worker_pool_up`` (it answered within ``POOL_TIMEOUT_S``),
-    ``kvroute:worker_pool_last_tick_age_seconds`` (since its last completed round of
-    polls: it grows when the pool's loop is stuck), ``kvroute:worker_pool_ticks_total``,
-    and per worker ``kvroute:worker_up``, ``kvroute:worker_polls_total`` and
-    ``kvroute:worker_last_tick_age_seconds``."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    from prometheus_client.exposition import generate_latest
+    """The pool's liveness and its workers' state for ``/metrics`` (``worker_state.py``'s
+    ``pool_metrics_text``); ``kvroute:worker_pool_up`` 0 when it does not answer in time."""
+    from kvroute.deploy.worker_state import pool_metrics_text
 
     try:
         described = await asyncio.wait_for(pool.describe.remote(), POOL_TIMEOUT_S)
     except Exception as exc:
         log.warning("the worker pool did not answer for /metrics: %r", exc)
         described = None
-    up = GaugeMetricFamily("kvroute:worker_pool_up", "1 when the worker pool answered this scrape.", labels=["model_name"])
-    up.add_metric([model_name], float(described is not None))
-    families = [up]
-    if described is not None:
-        pool_state, labels = described["pool"], ["model_name", "worker"]
-        age = GaugeMetricFamily("kvroute:worker_pool_last_tick_age_seconds", "Seconds since the worker pool last "
-                                "completed a round of polls.", labels=["model_name"])  # fmt: skip
-        if pool_state["last_tick_age_s"] is not None:
-            age.add_metric([model_name], pool_state["last_tick_age_s"])
-        ticks = CounterMetricFamily("kvroute:worker_pool_ticks", "Rounds of polls the worker pool completed.",
-                                    labels=["model_name"])  # fmt: skip
-        ticks.add_metric([model_name], pool_state["ticks"])
-        w_up = GaugeMetricFamily("kvroute:worker_up", "1 while the worker is in routing.", labels=labels)
-        polls = CounterMetricFamily("kvroute:worker_polls", "Successful /metrics polls of the worker.", labels=labels)
-        w_age = GaugeMetricFamily("kvroute:worker_last_tick_age_seconds", "Seconds since the worker's last finished "
-                                  "poll or probe.", labels=labels)  # fmt: skip
-        for w in described["workers"]:
-            w_up.add_metric([model_name, w["id"]], float(w["state"] == "up"))
-            polls.add_metric([model_name, w["id"]], w["polls"])
-            if w["last_tick_age_s"] is not None:
-                w_age.add_metric([model_name, w["id"]], w["last_tick_age_s"])
-        families += [age, ticks, w_up, polls, w_age]
-
-    class _Families:
-        def collect(self) -> list:
-            return families
-
-    return generate_latest(_Families())  # type: ignore[arg-type]
+    return pool_metrics_text(described, model_name)
 
 
 class _WorkerFailed(Exception):
