@@ -115,6 +115,7 @@ class KVEventSubscriber:
         self._ctx = zmq.Context()
         self._ctx.linger = 0  # closing a socket never waits for unsent messages
         self._stop_lock = threading.Lock()
+        self._term_lock = threading.Lock()  # the context is terminated once, by one thread
         self._stopping = False  # a stop() has begun (guarded by _stop_lock)
         self._stopped = threading.Event()  # ... and finished
         self.last_message_at: float | None = None  # time.monotonic() of the last message or replay answer
@@ -149,11 +150,11 @@ class KVEventSubscriber:
         with self._stop_lock:
             first, self._stopping = not self._stopping, True
         if not first:
-            return self._stopped.wait(timeout_s)
+            return self._stopped.wait(2 * timeout_s + 1.0)  # the first call's bound: join, then unregister
         try:
             thread = self._thread
             if thread is None:
-                self._ctx.term()  # no socket was ever opened (or start() closed it)
+                self._term()  # no socket was ever opened (or start() closed it)
             else:
                 thread.join(timeout=timeout_s)  # the thread closes its socket and terminates the context
                 if thread.is_alive():
@@ -211,7 +212,14 @@ class KVEventSubscriber:
             log.exception("worker %s: the KV event thread failed", self.worker_id)
         finally:
             sub.close(linger=0)
-            self._ctx.term()
+            self._term()
+
+    def _term(self) -> None:
+        """Terminate the context once its sockets are closed: a second caller waits for
+        the first, then finds it closed (two concurrent ``zmq_ctx_term`` can hang)."""
+        with self._term_lock:
+            if not self._ctx.closed:
+                self._ctx.term()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
