@@ -20,27 +20,23 @@ from kvroute.cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
-KV_NAMESPACE = "kvroute"  # the GCS internal KV namespace of kvroute's saved state
-
-
 def stored_hash_seed(app_name: str) -> int | None:
     """The application's block-hash seed, drawn and stored on first use; None when this
     process is not connected to a Ray cluster."""
     import ray
-    from ray.experimental import internal_kv
+
+    from kvroute.cluster.saved_state import save_json_once
 
     if not ray.is_initialized():
         return None
-    key = f"hash_seed:{app_name}"
-    internal_kv._internal_kv_put(key, str(secrets.randbits(63)), overwrite=False, namespace=KV_NAMESPACE)
-    return int(internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE))
+    return int(save_json_once(f"hash_seed:{app_name}", secrets.randbits(63)))
 
 
 def forget_hash_seed(app_name: str) -> None:
     """Drop the stored seed (the application is gone for good)."""
-    from ray.experimental import internal_kv
+    from kvroute.cluster.saved_state import delete_saved
 
-    internal_kv._internal_kv_del(f"hash_seed:{app_name}", namespace=KV_NAMESPACE)
+    delete_saved(f"hash_seed:{app_name}")
 
 
 def with_app_hash_seed(config: ClusterConfig) -> ClusterConfig:

@@ -26,7 +26,6 @@ without it (the store lost, a new epoch) is handed what the replicas hold instea
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -37,6 +36,7 @@ import ray
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import ROUTER_NAMESPACE
+from kvroute.cluster.saved_state import delete_saved, load_json, save_json
 from kvroute.replica.config import check_adapter_name
 
 if TYPE_CHECKING:
@@ -46,31 +46,19 @@ log = logging.getLogger(__name__)
 
 # (epoch, {name: folder}): a registry's state as replicas read it
 Snapshot = tuple[str, dict[str, str]]
-_KV_NAMESPACE = "kvroute"  # the GCS internal KV namespace of the registries' saved state
-
-
 def save_state(key: str, snapshot: Snapshot) -> None:
-    from ray.experimental import internal_kv
-
     epoch, modules = snapshot
-    internal_kv._internal_kv_put(key, json.dumps({"epoch": epoch, "modules": modules}), namespace=_KV_NAMESPACE)
+    save_json(key, {"epoch": epoch, "modules": modules})
 
 
 def load_state(key: str) -> Snapshot | None:
     """The state saved under ``key`` (None: nothing saved)."""
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
-    if raw is None:
-        return None
-    state = json.loads(raw)
-    return state["epoch"], dict(state["modules"])
+    state = load_json(key)
+    return None if state is None else (state["epoch"], dict(state["modules"]))
 
 
 def delete_state(key: str) -> bool:
-    from ray.experimental import internal_kv
-
-    return internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE) > 0
+    return delete_saved(key)
 
 
 class LoRARegistry:

@@ -385,6 +385,7 @@ def kill_router_actors(app_name: str) -> int:
     (routers, worker pool, LoRA registry, and the registry's saved state); how many
     there were."""
     from kvroute.cluster.lora_registry import delete_state, lora_registry_name
+    from kvroute.cluster.saved_state import delete_saved
 
     prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
     registry = lora_registry_name(ClusterConfig(app_name=app_name))
@@ -392,6 +393,9 @@ def kill_router_actors(app_name: str) -> int:
              if a.get("namespace") == ROUTER_NAMESPACE and (a["name"].startswith(prefixes) or a["name"] == registry)]  # fmt: skip
     killed = sum(kill_router_actor(n) for n in names)
     delete_state(registry)
+    for name in names:  # a pool's saved worker list (deploy/worker_pool.py)
+        if name.startswith(prefixes[1]):
+            delete_saved(f"worker-pool:{name}")
     return killed
 
 

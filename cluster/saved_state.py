@@ -1,6 +1,6 @@
 """Small JSON documents kept in Ray's GCS internal KV, so an actor that dies and is
-restarted by Ray reads back what it had (the worker pool's worker list; the LoRA
-registry keeps its adapters the same way). One namespace for all of kvroute's state;
+restarted by Ray reads back what it had (the worker pool's worker list, the LoRA
+registry's adapters), and an application's block-hash seed (``cluster/app_state.py``). One namespace for all of kvroute's state;
 the caller picks a key that names its actor. Every function needs a process connected
 to Ray (an actor, or a driver after ``ray.init``).
 """
@@ -18,6 +18,15 @@ def save_json(key: str, value: Any) -> None:
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=KV_NAMESPACE)
+
+
+def save_json_once(key: str, value: Any) -> Any:
+    """Store ``value`` under ``key`` unless something is stored there already; returns
+    what is stored (the first writer's value wins, whoever reads it)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, json.dumps(value), overwrite=False, namespace=KV_NAMESPACE)
+    return load_json(key)
 
 
 def load_json(key: str) -> Any:

@@ -239,7 +239,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvroute.cluster.router_actor import kill_router_actors
     from kvroute.deploy.app import build_app
-    from kvroute.deploy.worker_pool import kill_worker_pool
 
     app_args = serve_app_args(args)
     engines = 0 if app_args.workers is not None else args.replicas
@@ -275,7 +274,6 @@ def _serve(args: argparse.Namespace) -> int:
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
     kill_router_actors(args.app_name)
-    kill_worker_pool(args.app_name)
     serve.shutdown()
     ray.shutdown()
     return 0

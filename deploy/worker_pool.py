@@ -392,18 +392,3 @@ def get_or_create_worker_pool(config: ClusterConfig, specs: Sequence[dict], mode
     return WorkerPoolActor.options(name=pool_actor_name(config, specs, poll_interval_s), namespace=ROUTER_NAMESPACE,
                                    lifetime="detached", get_if_exists=True).remote(
         config, list(specs), list(model_names), poll_interval_s)  # fmt: skip
-
-
-def kill_worker_pool(app_name: str) -> bool:
-    """Kill the pools of every generation of application ``app_name``."""
-    prefix = f"kvroute-workers:{app_name}@"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == ROUTER_NAMESPACE and a["name"].startswith(prefix)]  # fmt: skip
-    killed = 0
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=ROUTER_NAMESPACE), no_restart=True)
-            killed += 1
-        except ValueError:  # ended meanwhile
-            pass
-    return killed > 0

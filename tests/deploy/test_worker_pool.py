@@ -20,7 +20,7 @@ zmq = pytest.importorskip("zmq")
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.router_actor import get_or_create_router_actors, kill_router_actors  # noqa: E402
 from kvroute.deploy import worker_probe  # noqa: E402
-from kvroute.deploy.worker_pool import WorkerPool, get_or_create_worker_pool, kill_worker_pool  # noqa: E402
+from kvroute.deploy.worker_pool import WorkerPool, get_or_create_worker_pool  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.conftest import free_port, restart_actor, wait_until  # noqa: E402
 
@@ -90,7 +90,6 @@ def test_runtime_added_workers_survive_a_pool_actor_restart(ray_cluster, tiny_ll
         ticks = _described(pool)["pool"]["ticks"]
         wait_until(lambda: _described(pool)["pool"]["ticks"] >= ticks + 3, 10, "the restarted pool ticking")
     finally:
-        kill_worker_pool(app)
         kill_router_actors(app)
 
 
@@ -118,7 +117,6 @@ def test_an_unreachable_event_endpoint_is_shown_until_a_publisher_listens(ray_cl
         wait_until(delivered, 15, "an event through the subscriber", 0.2)
         assert _workers(pool)["evented"]["kv_events_error"] is None
     finally:
-        kill_worker_pool(app)
         kill_router_actors(app)
         ctx.destroy(linger=0)
 

@@ -20,7 +20,6 @@ from ray import serve  # noqa: E402
 from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from kvroute.deploy.worker_load import parse_load  # noqa: E402
-from kvroute.deploy.worker_pool import kill_worker_pool  # noqa: E402
 from tests.conftest import free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli  # noqa: E402
 
@@ -86,7 +85,6 @@ def _app(ray_cluster: str, ports: list[int], procs: dict, tiny_llama_path):
     finally:
         serve.delete(APP)
         kill_router_actors(APP)
-        kill_worker_pool(APP)
 
 
 def _client(url: str) -> "openai.OpenAI":
