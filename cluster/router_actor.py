@@ -365,14 +365,31 @@ PeeredRouterActor = ray.remote(max_restarts=-1)(_PeeredRouterService)
 def get_or_create_router_actors(config: ClusterConfig) -> list[ray.actor.ActorHandle]:
     """The router actors of ``config``'s generation, created on first use: detached
     (their life is the application's, not the caller's; they end themselves once unused,
-    ``kill_router_actors`` ends them at once), spread over the nodes, each reserving
-    ``router_num_cpus``."""
+    ``kill_router_actors`` ends them at once), each reserving ``router_num_cpus``, router
+    ``i`` preferring the ``i``-th node with CPUs (soft: Ray places it elsewhere when that
+    node is full or gone, and a router restarted after its node's loss goes to a live
+    one). Ray's SPREAD strategy alone is best effort: seen putting both of two routers
+    on one node, whose loss then took the whole directory."""
+    nodes = _router_nodes() if len(config.router_actor_names) > 1 else []
     return [
         PeeredRouterActor.options(name=name, namespace=ROUTER_NAMESPACE, lifetime="detached", get_if_exists=True,
-                                  num_cpus=config.router_num_cpus, scheduling_strategy="SPREAD")
+                                  num_cpus=config.router_num_cpus, scheduling_strategy=_prefer(nodes, i))
         .remote(config, name)
-        for name in config.router_actor_names
+        for i, name in enumerate(config.router_actor_names)
     ]
+
+
+def _router_nodes() -> list[str]:
+    """The alive nodes that offer CPUs (not a head started with none), in a fixed order."""
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+
+
+def _prefer(nodes: list[str], i: int) -> Any:
+    if not nodes:
+        return "SPREAD"
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True)
 
 
 def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:

@@ -135,6 +135,9 @@ class IngressSpec(ServerLimits):
     num_cpus: float = Field(default=0.5, gt=0)
     max_ongoing_requests: int = Field(default=1024, ge=1)
     require_api_key: bool = Field(default=False, description="refuse to start without an API key (never open by mistake)")
+    max_replicas_per_node: Optional[int] = Field(
+        default=None, ge=1, description="1: at most one ingress per node, so each node's proxy has its own and a "
+        "node's loss cuts only the streams that entered there")  # fmt: skip
 
 
 def ingress_limits(parsed: "AppArgs") -> ServerLimits:
@@ -434,11 +437,13 @@ def _with_api_key(args: Union[dict[str, Any], AppArgs]) -> AppArgs:
 
 
 def _ingress_deployment(cls: type, parsed: AppArgs, version: Optional[str], options: dict[str, Any]) -> Any:
+    placement = {"max_replicas_per_node": parsed.ingress.max_replicas_per_node} if parsed.ingress.max_replicas_per_node else {}
     ingress = serve.deployment(cls).options(
         name="OpenAIIngress",
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
+        **placement,
         **options,
     )
     if version is not None:  # (Ray 2.60: version is an internal option, see build_engine_deployment)
