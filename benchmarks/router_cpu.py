@@ -59,16 +59,16 @@ import json
 import os
 import pstats
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
+
+from kvroute.benchmarks.baseline import alternate
 
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import PEER_FLUSH_S, RouterService
@@ -261,21 +261,6 @@ def profile_top(args: argparse.Namespace, n: int = 25) -> str:
     return buf.getvalue()
 
 
-def _baseline_tree(ref: str) -> str:
-    """``ref``'s code as an importable ``kvroute`` package (this checkout's layout)."""
-    repo = Path(__file__).resolve().parents[1]
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-base-"))
-    subprocess.run(f"git -C {repo} archive {ref} | tar -x -C {tmp}", shell=True, check=True)
-    pkg = tmp / "pkg" / "kvroute"
-    (tmp / "kvroute").rename(tmp / "kvroute_top")
-    pkg.parent.mkdir()
-    (tmp / "kvroute_top").rename(pkg)
-    for sub in ("replica", "router", "cluster", "benchmarks", "kernels", "deploy"):
-        (tmp / sub).rename(pkg / sub)
-    (pkg / "benchmarks" / "router_cpu.py").write_text(Path(__file__).read_text())  # the same driver
-    return str(tmp / "pkg")
-
-
 _BOOT = (  # the baseline's tree first, and not the editable install's finder (it would win)
     "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
     "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
@@ -298,14 +283,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    base_path = _baseline_tree(args.baseline)
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    try:
-        for _ in range(args.rounds):  # alternate, so both sides see the same machine load
-            runs["before"].append(_child(args, base_path))
-            runs["after"].append(_child(args, None))
-    finally:
-        shutil.rmtree(Path(base_path).parent)
+    runs = alternate(args.baseline, Path(__file__), args.rounds, lambda tree: _child(args, tree))
     assert runs["before"][0]["code"] != runs["after"][0]["code"], "the baseline ran this checkout's code"
     med = {side: _median(rs) for side, rs in runs.items()}
     lines = [f"| figure | before ({args.baseline}) | after | after/before |", "|---|---|---|---|"]

@@ -32,16 +32,15 @@ import json
 import logging
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from kvroute.benchmarks.baseline import alternate
+
 _BOOT = (
     "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
     "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
@@ -231,31 +230,8 @@ def _child(args: argparse.Namespace, tree: str | None) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _baseline_tree(ref: str) -> str:
-    """``ref``'s code as an importable ``kvroute`` package (this checkout's layout), with
-    this checkout's driver (the baseline may not have it); ``benchmarks/router_cpu.py``
-    builds its baseline so too."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-base-"))
-    subprocess.run(f"git -C {REPO} archive {ref} | tar -x -C {tmp}", shell=True, check=True)
-    pkg = tmp / "pkg" / "kvroute"
-    (tmp / "kvroute").rename(tmp / "kvroute_top")
-    pkg.parent.mkdir()
-    (tmp / "kvroute_top").rename(pkg)
-    for sub in ("replica", "router", "cluster", "benchmarks", "kernels", "deploy"):
-        (tmp / sub).rename(pkg / sub)
-    shutil.copy(Path(__file__), pkg / "benchmarks" / "worker_pool_cpu.py")
-    return str(tmp / "pkg")
-
-
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    tree = _baseline_tree(args.baseline)
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    try:
-        for _ in range(args.rounds):  # alternating, so both sides see the same machine load
-            runs["before"].append(_child(args, tree))
-            runs["after"].append(_child(args, None))
-    finally:
-        shutil.rmtree(Path(tree).parent)
+    runs = alternate(args.baseline, Path(__file__), args.rounds, lambda tree: _child(args, tree))
     assert runs["before"][0]["code_file"] != runs["after"][0]["code_file"], "the baseline ran this checkout's code"
 
     def med(side: str, pick: Any) -> float:

@@ -33,7 +33,9 @@ def test_the_baseline_tree_runs_its_own_code():
     repo = Path(router_cpu.__file__).resolve().parents[1]
     if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode:
         raise AssertionError("router_cpu --baseline needs the git checkout it ships in")
-    tree = router_cpu._baseline_tree("HEAD")  # noqa: SLF001
+    from kvroute.benchmarks.baseline import baseline_tree
+
+    tree = baseline_tree("HEAD", Path(router_cpu.__file__))
     try:
         boot = router_cpu._BOOT.replace(  # noqa: SLF001
             "runpy.run_module('kvroute.benchmarks.router_cpu', run_name='__main__')",
