@@ -251,15 +251,14 @@ class ServeFleet:
         return wait_counters(self.base_url, self.replica_ids)
 
     def router_counters(self) -> dict[str, float]:
-        """Every ingress's counters summed, but the routers' decisions (each ingress
-        shows all routers' own): those once; and ``ingress<i>:routed_requests``."""
-        each = [router_counters(url) for url in self.base_urls]
-        out = {k: v for k, v in each[0].items() if k.startswith("decisions:")}
-        for i, counters in enumerate(each):  # each ingress's own routed requests show the clients' spread
-            out[f"ingress{i}:routed_requests"] = counters.get("routed_requests", 0.0)
-            for k, v in counters.items():
-                if not k.startswith("decisions:"):
-                    out[k] = out.get(k, 0.0) + v
+        """The application's counters (any ingress's ``/metrics`` sums every ingress),
+        and ``ingress<i>:routed_requests``: the requests the ingress behind
+        ``base_urls[i]`` (application ``<app>`` or ``<app>-ingress<i>``) finished."""
+        out = router_counters(self.base_url)
+        per_app = ingress_requests(self.base_url)
+        for i, url in enumerate(self.base_urls):
+            app = url.rstrip("/").rsplit("/", 1)[-1]
+            out[f"ingress{i}:routed_requests"] = per_app.get(app, 0.0)
         return out
 
     def peer_staleness_ms(self) -> dict[str, float]:
@@ -378,6 +377,19 @@ _ROUTER_COUNTED = {"kvroute:router_fallbacks": "fallbacks", "kvroute:predicted_c
                    "kvroute:actual_cached_tokens": "actual_cached_tokens", "kvroute:cached_tokens_abs_error": "cached_tokens_abs_error",
                    "kvroute:routed_requests": "routed_requests", "kvroute:router_failovers": "failovers",
                    "kvroute:router_spills": "spills"}  # fmt: skip
+
+
+def ingress_requests(base_url: str) -> dict[str, float]:
+    """Finished requests per ingress application (``kvroute:ingress_requests``, whose
+    ``ingress`` label is ``<application>#<replica>``), summed over its replicas."""
+    out: dict[str, float] = {}
+    for fam in metric_families(base_url):
+        if fam.name == "kvroute:ingress_requests":
+            for sample in fam.samples:
+                if sample.name.endswith("_total"):
+                    app = sample.labels["ingress"].split("#")[0]
+                    out[app] = out.get(app, 0.0) + sample.value
+    return out
 
 
 def router_counters(base_url: str) -> dict[str, float]:

@@ -54,7 +54,7 @@ class ClusterConfig:
     # An application actor (router, worker pool) that no replica, worker or ingress of its
     # generation has called for this long ends itself: what a redeploy with a changed
     # config or a ``serve delete`` leaves behind goes away without an operator.
-    idle_exit_s: float = 60.0
+    idle_exit_s: float = 30.0
     call_timeout_s: float = 5.0  # every call between the application's actors (register, push, reports)
 
     def __post_init__(self) -> None:

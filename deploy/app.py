@@ -328,7 +328,8 @@ class IngressReporter:
         import ray
 
         self.router_actors, self.quality = router_actors, quality
-        self.ingress_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.ingress_id = f"{context.app_name}#{context.replica_id.unique_id}"  # application (route) and replica
         self.node = ray.util.get_node_ip_address()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 

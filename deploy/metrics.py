@@ -139,6 +139,8 @@ def render(
         def collect(self) -> Iterable[Metric]:
             yield from _replica_families(model_name, replicas)
             yield from _router_families(model_name, router, accuracy, fallbacks, failovers, spills)
+            if ingresses is not None:
+                yield _ingress_family(model_name, ingresses)
             yield _process_family(model_name, replicas, router, ingresses)
 
     return generate_latest(_Collector())  # type: ignore[arg-type]
@@ -283,6 +285,17 @@ def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metri
     )
     un.add_metric([model_name], float(quality.unpredicted_requests))
     yield un
+
+
+def _ingress_family(model_name: str, ingresses: dict[str, dict[str, Any]]) -> Metric:
+    """Each ingress's finished requests (labelled ``<application>#<replica>`` and by
+    node): how the clients spread over the ingresses."""
+    fam = CounterMetricFamily("kvroute:ingress_requests", "Finished requests by the ingress that served them.",
+                              labels=["model_name", "ingress", "node"])  # fmt: skip
+    for iid, rep in sorted(ingresses.items()):
+        q = rep["quality"]
+        fam.add_metric([model_name, iid, rep["node"]], float(q["requests"] + q["unpredicted_requests"]))
+    return fam
 
 
 def _process_family(model_name: str, replicas: dict[str, dict[str, Any]], router: Optional[dict[str, Any]],
