@@ -280,6 +280,7 @@ class OpenAIIngress:
 
     async def __init__(self, args: dict[str, Any], config: ClusterConfig, engine_handle: Any) -> None:
         from kvroute.cluster.router_actor import get_or_create_router_actors
+        from kvroute.deploy.app_metrics import IngressReporter
         from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.serving import OpenAIServing
 
@@ -306,7 +307,7 @@ class OpenAIIngress:
                                      ingress_limits(parsed), aliases, adapters)  # fmt: skip
         self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
-        self.reporter = IngressReporter(self.router_actors, self.accuracy)
+        self.reporter = IngressReporter(self.router_actors, self.accuracy)  # /metrics of the whole application
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api
@@ -314,39 +315,9 @@ class OpenAIIngress:
         return build_api(self.serving, self._metrics)
 
     async def _metrics(self) -> tuple[bytes, str]:
+        from kvroute.deploy.app_metrics import router_metrics
+
         return await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
-
-
-class IngressReporter:
-    """Sends this ingress's counters to every router about once a second (also its
-    sign of life: a generation's routers end themselves once no ingress reports), so
-    ``/metrics`` on any ingress can add up all of them."""
-
-    PERIOD_S = 1.0
-
-    def __init__(self, router_actors: list[Any], quality: Any) -> None:
-        import ray
-
-        self.router_actors, self.quality = router_actors, quality
-        context = serve.get_replica_context()
-        self.ingress_id = f"{context.app_name}#{context.replica_id.unique_id}"  # application (route) and replica
-        self.node = ray.util.get_node_ip_address()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    def report(self) -> dict[str, Any]:
-        from kvroute.cluster.request_router import PROCESS_STATS
-        from kvroute.deploy.metrics import ingress_report
-
-        return ingress_report(self.quality, PROCESS_STATS, self.node)
-
-    async def _loop(self) -> None:
-        while True:
-            report = self.report()
-            calls = [asyncio.wait_for(a.report_ingress.remote(self.ingress_id, report), 2.0) for a in self.router_actors]
-            for exc in await asyncio.gather(*calls, return_exceptions=True):
-                if isinstance(exc, Exception):  # a router restarting: the next round reaches it
-                    log.debug("ingress %s: a router did not take its report: %r", self.ingress_id, exc)
-            await asyncio.sleep(self.PERIOD_S)
 
 
 async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
@@ -359,23 +330,6 @@ async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
     tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
     arch = ModelArch.from_hf_config(load_hf_config(path, light))
     return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size
-
-
-async def router_metrics(router_actors: list[Any], model_name: str, reporter: IngressReporter) -> tuple[bytes, str]:
-    """``/metrics`` of the application, whichever ingress renders it: the replicas'
-    reports, the routers' stats, and every ingress's counters (this one's current)."""
-    from kvroute.deploy.metrics import CONTENT_TYPE, merge_router_stats, render_app
-
-    answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in router_actors),
-                                   return_exceptions=True)  # fmt: skip
-    snapshots = [a for a in answers if isinstance(a, dict)]
-    for exc in (a for a in answers if not isinstance(a, dict)):  # a router restarting
-        log.warning("a router actor did not answer for /metrics: %r", exc)
-    replicas = snapshots[0]["replicas"] if snapshots else {}
-    router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
-    ingresses = {iid: rep for s in snapshots for iid, rep in s["ingresses"].items()}
-    ingresses[reporter.ingress_id] = reporter.report()
-    return render_app(model_name, replicas, router, ingresses), CONTENT_TYPE
 
 
 def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:

@@ -309,7 +309,8 @@ class WorkersIngress:
 
     async def __init__(self, args: dict[str, Any], config: Any) -> None:
         from kvroute.cluster.router_actor import get_or_create_router_actors
-        from kvroute.deploy.app import IngressReporter, ingress_limits, load_model_info, parse_args
+        from kvroute.deploy.app import ingress_limits, load_model_info, parse_args
+        from kvroute.deploy.app_metrics import IngressReporter
         from kvroute.deploy.metrics import DecisionQuality
         from kvroute.deploy.worker_pool import get_or_create_worker_pool
 
@@ -340,7 +341,7 @@ class WorkersIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api
-        from kvroute.deploy.app import router_metrics
+        from kvroute.deploy.app_metrics import router_metrics
 
         async def metrics() -> tuple[bytes, str]:
             body, content_type = await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
