@@ -144,7 +144,7 @@ def cpu_measured(path: str | Path = "results/offline.json") -> StepProfile:
 
 
 def cpu_avx2_slow() -> StepProfile:
-    """SmolLM2-135M in fp32 on issue 31's AVX2-only 2-core EPYC, where a long prompt
+    """SmolLM2-135M in fp32 on a user's AVX2-only 2-core EPYC, where a long prompt
     stalled its replica: a 6,525-token prompt took 49.1 s and a 5-token request 0.4 s;
     the offline run decoded 54.6 tok/s at batch 64 (1.17 s a step). The split between
     tokens and attention pairs is from this repo's 2-core EPYC forced to AVX2 (a 6.5k
@@ -152,7 +152,7 @@ def cpu_avx2_slow() -> StepProfile:
     3.64 ms a token and 1.18 us a pair."""
     return StepProfile(
         "cpu_avx2_slow", 0.05, 275.0, 0.0175, 1.18e-6, kv_blocks_per_replica=2048, max_model_len=8192,
-        prefill_s_per_pair=1.18e-6, source="issue 31's AVX2 EPYC (49.1 s for 6,525 tokens), split measured here",
+        prefill_s_per_pair=1.18e-6, source="a user's AVX2 EPYC (49.1 s for 6,525 tokens), split measured here",
     )
 
 

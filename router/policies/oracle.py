@@ -3,7 +3,7 @@
 Not a peer's policy: the simulator (benchmarks/sim) owns every replica's real KV cache
 and hands this policy a ``true_match(replica_id, block_hashes) -> int`` callback giving
 the number of leading blocks actually cached there right now. The policy then applies
-the same TTFT idea as ``kvroute`` (issue 4) with perfect knowledge:
+the same TTFT idea as ``kvroute`` with perfect knowledge:
 
     predicted TTFT(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / rate(r)
 
