@@ -327,6 +327,7 @@ class _PeeredRouterService(RouterService):
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         if peers:
             self.start_flusher()
+        self._node = ray.util.get_node_ip_address()
         self._watch_idle(name, config.idle_exit_s)
 
     def _watch_idle(self, name: str, idle_exit_s: float) -> None:
@@ -346,7 +347,7 @@ class _PeeredRouterService(RouterService):
         threading.Thread(target=loop, name="kvroute-idle-exit", daemon=True).start()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "node": ray.util.get_node_ip_address()}
+        return {**super().stats(), "node": self._node}
 
     def _send(self, batch: list[PeerDecision]) -> None:
         for name in self._peer_names:
@@ -406,8 +407,7 @@ def kill_router_actors(app_name: str) -> int:
 
     prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
     registry = lora_registry_name(ClusterConfig(app_name=app_name))
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == ROUTER_NAMESPACE and (a["name"].startswith(prefixes) or a["name"] == registry)]  # fmt: skip
+    names = _named_actors(lambda n: n.startswith(prefixes) or n == registry)
     killed = sum(kill_router_actor(n) for n in names)
     delete_state(registry)
     for name in names:  # a pool's saved worker list (deploy/worker_pool.py)
@@ -418,9 +418,13 @@ def kill_router_actors(app_name: str) -> int:
 
 def app_router_names(app_name: str) -> list[str]:
     """The live router actors of application ``app_name``, every generation, sorted."""
-    prefix = f"kvroute-router:{app_name}@"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == ROUTER_NAMESPACE and a["name"].startswith(prefix))  # fmt: skip
+    return sorted(_named_actors(lambda n: n.startswith(f"kvroute-router:{app_name}@")))
+
+
+def _named_actors(match: Callable[[str], bool]) -> list[str]:
+    """The names of the live actors in the routers' namespace that ``match``."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == ROUTER_NAMESPACE and match(a["name"])]  # fmt: skip
 
 
 def app_router(app_name: str, index: int = 0) -> ray.actor.ActorHandle:
