@@ -68,3 +68,87 @@ def test_caller_side_cluster_code_imports_without_torch():
     code = "import sys, kvroute.cluster.client, kvroute.cluster.request_router, kvroute.cluster.router_actor; " \
         "assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+PACKAGES = ("cluster", "replica", "router", "kernels", "deploy", "benchmarks", "kvroute")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["kvroute", *parts] if parts[0] != "kvroute" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Our modules and the modules of ours each one imports, at any depth of the file
+    (a lazy import inside a function still ties the two modules together)."""
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in files and t != mod)
+        graph[mod] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_between_our_modules():
+    """A package's ``__init__`` re-exporting its own modules is not a cycle between
+    modules; anything else that imports back (even lazily, inside a function) is."""
+    graph = _import_graph()
+    for mod, deps in graph.items():
+        graph[mod] = {d for d in deps if not (mod.startswith(d + ".") and graph.get(d) is not None)}
+    assert _cycles(graph) == []
+
+
+def test_ray_only_in_cluster_deploy_benchmarks():
+    for folder in ("replica", "router", "kernels", "kvroute"):
+        for mod, files in _imports(folder).items():
+            assert mod.split(".")[0] != "ray", (folder, mod, files)
