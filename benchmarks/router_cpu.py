@@ -219,8 +219,8 @@ def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -
         now[0] = t
         peer = i % args.routers
         if peer == 0:
-            ranking = timed("decision", svc.rank, hashes, tokens, cands)
-            rid, ticket = ranking.replica_ids[0], ranking.ticket
+            decision = timed("decision", svc.rank, hashes, tokens, cands)
+            rid, ticket = decision.replica_id, decision.ticket
             shadow.note_routed(rid, hashes, tokens, ticket)
         else:
             d = shadow.route(hashes, tokens)

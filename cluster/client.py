@@ -1,7 +1,8 @@
 """The client every Ray process uses to generate: hash once, route, stream, fail over.
 
 ``generate`` hashes the prompt's full blocks with the cluster's HashSpec (the request
-router ranks replicas with them), streams TokenDeltas from the chosen replica, and when
+router ranks replicas with them), streams TokenDeltas from the chosen replica (whose
+first item, a ``FirstDelta``, says where the request went and with which decision), and when
 that replica dies mid-stream resumes on another one with the prompt plus the tokens
 streamed so far (``resume_output``): the caller sees one uninterrupted stream, equal to
 an undisturbed run for greedy and for seeded sampling. Retries are bounded; a request
@@ -23,10 +24,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.messages import GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError, RouteTrace
+from kvroute.cluster.messages import FirstDelta, GenerateRequest, OverloadedError, ReplicaCall, ReplicaUnavailableError
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 
 @contextlib.contextmanager
@@ -72,7 +74,11 @@ class KVRouteClient:
         self.max_resume_attempts = max_resume_attempts
         self.retry_backoff_s = retry_backoff_s
         self.first_token_timeout_s = first_token_timeout_s
-        self.stats = {"requests": 0, "resumes": 0, "overloaded": 0, "failed": 0}
+        # requests, resumes, overloaded, failed: this client's; fallbacks, failovers,
+        # spills: what the decisions its requests were served with say (an ingress
+        # exports them as kvroute:router_fallbacks / _failovers / _spills)
+        self.stats = {"requests": 0, "resumes": 0, "overloaded": 0, "failed": 0, "fallbacks": 0, "failovers": 0,
+                      "spills": 0}  # fmt: skip
 
     @classmethod
     def for_app(cls, config: ClusterConfig, **kwargs: Any) -> "KVRouteClient":
@@ -88,18 +94,13 @@ class KVRouteClient:
         *,
         request_id: str | None = None,
         prompt: str | None = None,
-        on_route: Callable[[RouteTrace], None] | None = None,
+        on_route: Callable[[RouteOutcome], None] | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one request (``lora_name``: with that LoRA adapter). ``on_route``, when given, is called with where the request
-        went and what the router expected there, as its first token arrives (again
-        after a resume, with reason ``resumed``); not called when another Serve router
-        routes (nothing records the replica)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("prompt must not be empty (got 0 tokens)")
+        """Stream one request (``lora_name``: with that LoRA adapter). ``on_route``, when
+        given, is called with where the request went and the decision it was sent with,
+        as its first token arrives (again after a resume, marked ``resumed``)."""
+        ids = [int(t) for t in token_ids]  # checked by the replica's engine (Engine.make_request), once
         rid = RequestId(request_id or uuid.uuid4().hex)
         hashes = hash_blocks(self.hash_spec, ids, cache_salt, lora_name=lora_name)  # full blocks, as the engine hashes them
         if prompt is None:
@@ -137,9 +138,9 @@ class KVRouteClient:
                         raise ReplicaUnavailableError(
                             f"request {rid}: no token within first_token_timeout_s={self.first_token_timeout_s}"
                         ) from None
-                    if first and on_route is not None and request.served_by is not None:
-                        decision = request.route or RouteTrace(reason="power_of_two")
-                        on_route(decision.served(request.served_by, resumed=attempt > 0))
+                    if isinstance(delta, FirstDelta):
+                        self._routed(delta.outcome, attempt > 0, on_route)
+                        delta = delta.delta
                     first = False
                     streamed.extend(delta.token_ids)
                     finished = delta.finish_reason is not None
@@ -166,6 +167,18 @@ class KVRouteClient:
                         response.cancel()
                     except Exception:  # a response that already failed re-raises its error here
                         pass
+
+    def _routed(self, outcome: RouteOutcome, resumed: bool, on_route: Callable[[RouteOutcome], None] | None) -> None:
+        """A replica's first item arrived: count what its decision says, tell the caller."""
+        if resumed:
+            outcome = dataclasses.replace(outcome, resumed=True)
+        decision = outcome.decision
+        if decision is not None:
+            self.stats["fallbacks"] += decision.reason == "fallback"
+            self.stats["failovers"] += decision.failovers
+            self.stats["spills"] += decision.spills
+        if on_route is not None:
+            on_route(outcome)
 
     async def complete(self, token_ids: Sequence[int], params: SamplingParams, **kwargs: Any) -> list[TokenDelta]:
         """Every delta of one request (convenience for tests and batch jobs)."""

@@ -1,6 +1,9 @@
 """What crosses Ray between the client, the Serve request router and the replicas
 (torch-free: the request router runs inside every caller's process), and the errors a
-caller can act on."""
+caller can act on. A routing decision travels as a value: the router actor returns a
+``RouteDecision``, the caller's request router adds it to the call as its ``route``
+argument (``ROUTE_ARG``), and the replica answers with a ``FirstDelta`` that carries the
+``RouteOutcome``."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvroute.replica.block_hash import BlockHash
+from kvroute.replica.outputs import TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 ROUTER_NAMESPACE = "kvroute"  # Ray namespace of the router actors
 
@@ -34,56 +39,25 @@ class GenerateRequest:
     resume_output: list[int] = field(default_factory=list)
     prompt: str | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
-    # Written by the caller's Serve request router (it runs in the caller's process and
-    # sees this very object): ``route``, the router's decision, before Serve sends the
-    # request (the replica takes the router's ticket from it); ``served_by``, the
-    # replica Serve sent it to. The client turns them into the caller's RouteTrace.
-    route: "RouteTrace | None" = None
-    served_by: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class RouteTrace:
-    """How one request was routed: the replica (the router's choice, or the one that
-    served it), the cached tokens the router expected there (None when no router
-    prediction applies), the reason, and the router's ticket (0: none), which the
-    replica reports back in its load figures."""
-
-    replica_id: str | None = None
-    expected_cached_tokens: int | None = None
-    reason: str | None = None
-    ticket: int = 0
-    available_tokens: int | None = None  # the longest prefix any candidate held (None: no prediction)
-
-    def served(self, replica_id: str, resumed: bool = False) -> "RouteTrace":
-        """This decision as it played out on ``replica_id``: a resumed request, or one
-        Serve sent to the next ranked replica (the choice was full), keeps no
-        prediction, since the router's was for another replica or another start."""
-        if resumed:
-            return RouteTrace(replica_id, None, "resumed", self.ticket)
-        if self.replica_id is not None and self.replica_id != replica_id:
-            return RouteTrace(replica_id, None, "next_ranked", self.ticket)
-        return RouteTrace(replica_id, self.expected_cached_tokens, self.reason, self.ticket, self.available_tokens)
+# The keyword argument of ``EngineReplica.generate`` that carries the router's
+# ``RouteDecision``: the caller's Serve request router adds it to the call it sends.
+ROUTE_ARG = "route"
 
 
 @dataclass(frozen=True)
-class Ranking:
-    """Candidates best first. ``replica_ids[0]`` is the router's decision (its blocks
-    are recorded as pending there); the rest are fallbacks in order of load."""
+class FirstDelta:
+    """A replica's first stream item: its first ``TokenDelta`` with how the request's
+    routing played out (``RouteOutcome``: this replica, the decision it received), so
+    the caller learns where its request went from the stream itself."""
 
-    replica_ids: list[str]
-    expected_cached_tokens: int
-    reason: str
-    ticket: int = 0  # the router's ticket for this request (RouteDecision.ticket)
-    available_tokens: int = 0  # RouteDecision.available_tokens
-    router_load: float = 0.0  # the answering router process's CPU use, in cores (RouterService.load)
-
-    def trace(self) -> RouteTrace:
-        return RouteTrace(self.replica_ids[0], self.expected_cached_tokens, self.reason, self.ticket, self.available_tokens)
+    outcome: RouteOutcome
+    delta: TokenDelta
 
 
 @dataclass(frozen=True)

@@ -1,61 +1,65 @@
 """The kvroute request router's logic, without Ray or Serve: what the Serve
 ``KVRouteRequestRouter`` (``request_router.py``) runs for each request it routes.
 
-For a ``GenerateRequest`` the ``Ranker`` asks for a ``Ranking`` (``ask``: in a cluster,
-the router actor's ``rank``), writes the router's decision on the request once
-(``request.route``), and returns the candidates best first. A request that Serve routes
-again (every ranked replica was full) reuses its ranking instead of asking, and being
-counted, again. When ``ask`` fails (the router actor is not started yet, restarting,
-dead, or too slow) it reports the error to ``on_fallback``, marks the request
-``fallback`` and returns None: the caller then routes by power of two choices, so a
-request never fails because of the router. ``routed`` records the replica Serve sent
-the request to and forgets its ranking.
+For a ``GenerateRequest`` the ``Ranker`` asks the routers in ``RouterChoice``'s order
+(``ask(i, request, candidates)``: in a cluster, router actor ``i``'s ``rank``) for a
+``RouteDecision``, completes it with the routers this call went past (its failovers
+and spill), and puts it in the call's keyword arguments (``ROUTE_ARG``): the replica
+receives it as the ``route`` argument of ``generate``. Serve routes a call again when
+every ranked replica was full; the call still holds its decision, so it is reused
+instead of asked, and counted, again. When no router answers (not started yet,
+restarting, dead, or too slow) the error goes to ``on_fallback``, the call holds a
+fallback decision (reason "fallback", no replica), and ``order`` returns None: the
+caller then routes by power of two choices, so a request never fails because of the
+routers. A call that holds a fallback asks again when Serve routes it again.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Awaitable, Callable, Sequence
+import dataclasses
+from typing import Any, Awaitable, Callable, MutableMapping, Sequence
 
-from kvroute.cluster.messages import GenerateRequest, Ranking, RouteTrace
+from kvroute.cluster.messages import ROUTE_ARG, GenerateRequest
+from kvroute.cluster.router_choice import RouterChoice
+from kvroute.router.types import RouteDecision
 
-Ask = Callable[[GenerateRequest, list[str]], Awaitable[Ranking]]
+Ask = Callable[[int, GenerateRequest, list[str]], Awaitable[RouteDecision]]
 
 
 class Ranker:
-    def __init__(
-        self, ask: Ask, on_fallback: Callable[[BaseException], None] = lambda exc: None, max_remembered: int = 10_000
-    ) -> None:
+    def __init__(self, choice: RouterChoice | None, ask: Ask,
+                 on_fallback: Callable[[BaseException], None] = lambda exc: None) -> None:  # fmt: skip
+        self._choice = choice
         self._ask = ask
         self._on_fallback = on_fallback
-        self._max_remembered = max_remembered
-        self._rankings: OrderedDict[str, Ranking] = OrderedDict()  # routing key -> ranking
         self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0}
 
-    async def order(self, key: str, request: GenerateRequest, candidates: Sequence[str]) -> list[str] | None:
-        """``candidates`` best first for the request Serve knows as ``key``, or None to
-        fall back (no ranking, or none of its replicas is still a candidate)."""
-        ranking = self._rankings.get(key)
-        if ranking is not None:
+    async def order(
+        self, call: MutableMapping[str, Any], request: GenerateRequest, candidates: Sequence[str]
+    ) -> list[str] | None:
+        """``candidates`` best first for the call whose keyword arguments are ``call``
+        (its decision made now, or the one it holds), or None to fall back (no router
+        answered, or none of the ranked replicas is still a candidate)."""
+        decision = call.get(ROUTE_ARG)
+        if decision is not None and decision.replica_id is not None:
             self.stats["reused_rankings"] += 1
         else:
-            try:
-                ranking = await self._ask(request, list(candidates))
-            except Exception as exc:
-                self.stats["fallbacks"] += 1
-                self._on_fallback(exc)
-                request.route = RouteTrace(reason="fallback")
-                return None
-            self.stats["ranked"] += 1
-            self._rankings[key] = ranking
-            if len(self._rankings) > self._max_remembered:
-                self._rankings.popitem(last=False)
-            request.route = ranking.trace()
+            decision = call[ROUTE_ARG] = await self.decide(request, list(candidates))
         present = set(candidates)
-        return [rid for rid in ranking.replica_ids if rid in present] or None
+        return [rid for rid in decision.order if rid in present] or None
 
-    def routed(self, key: str, request: GenerateRequest | None, replica_id: str) -> None:
-        """Serve sent the request to ``replica_id``."""
-        self._rankings.pop(key, None)
-        if request is not None:
-            request.served_by = replica_id
+    async def decide(self, request: GenerateRequest, candidates: list[str]) -> RouteDecision:
+        """The first answering router's decision for ``request``, or a fallback one, with
+        the routers this call went past."""
+        counts = {"spills": 0, "failovers": 0}
+        try:
+            if self._choice is None:
+                raise RuntimeError("no router actor configured")
+            decision = await self._choice.first_answer(lambda i: self._ask(i, request, candidates), counts)
+        except Exception as exc:
+            self.stats["fallbacks"] += 1
+            self._on_fallback(exc)
+            decision = RouteDecision(None, 0, "fallback")
+        else:
+            self.stats["ranked"] += 1
+        return dataclasses.replace(decision, failovers=counts["failovers"], spills=counts["spills"])

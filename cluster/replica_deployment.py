@@ -22,12 +22,13 @@ from ray.serve.config import RequestRouterConfig
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.lora_registry import ReplicaAdapters, get_or_create_lora_registry
-from kvroute.cluster.messages import GenerateRequest, ReplicaCall
+from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.outputs import TokenDelta
+from kvroute.router.types import RouteDecision, RouteOutcome
 
 if TYPE_CHECKING:  # torch stays out of the processes that only hold a handle (the ingress)
     from kvroute.replica.async_engine import AsyncEngine
@@ -165,19 +166,30 @@ class EngineReplica:
         return next((link for link in self.links if link.registered), None)
 
     # ------------------------------------------------------------------ serving
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(
+        self, request: GenerateRequest, route: RouteDecision | None = None
+    ) -> AsyncIterator[FirstDelta | TokenDelta]:
+        """Stream ``request``'s deltas, the first as a ``FirstDelta`` that says where it
+        ran. ``route``: the router's decision, added to the call by the caller's kvroute
+        request router (None under Serve's own routers); its ticket goes to the engine,
+        whose load reports name the highest ticket they count."""
         if request.lora_name is not None and self.adapters is not None:
             await self.adapters.ensure(request.lora_name)  # loaded on first use here
+        outcome: RouteOutcome | None = RouteOutcome(self.replica_id, route)
         async for delta in self.engine.generate(
             request.token_ids,
             request.params,
             request_id=request.request_id,
             cache_salt=request.cache_salt,
             resume_output=request.resume_output,
-            route_ticket=request.route.ticket if request.route is not None else 0,
+            route_ticket=0 if route is None else route.ticket,
             lora_name=request.lora_name,
         ):
-            yield delta
+            if outcome is None:
+                yield delta
+            else:
+                yield FirstDelta(outcome, delta)
+                outcome = None
 
     async def debug_state(self, call: ReplicaCall) -> dict[str, Any]:
         """This replica's exact cache and block state (for tests and operators)."""

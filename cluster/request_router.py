@@ -1,23 +1,25 @@
 """Ray Serve request router that asks one of the application's router actors for a
-ranking.
+routing decision.
 
 Runs inside every process that holds a handle to the replica deployment (the HTTP
 ingress, a benchmark job, a test driver). A thin Serve shell around ``Ranker``
 (``ranker.py``): for a ``GenerateRequest`` the ranker asks a router actor with the
-block hashes the caller computed and returns the replicas best first; Serve probes them
-in that order, so a replica at ``max_ongoing_requests`` is skipped for the next one.
+block hashes the caller computed, adds the ``RouteDecision`` to the call (the replica's
+``route`` argument) and returns the replicas best first; Serve probes them in that
+order, so a replica at ``max_ongoing_requests`` is skipped for the next one.
 Every process asks the routers in the application's order (``router_choice.py``): the
 first while it keeps up, the next when it has too many of this process's calls
 unanswered (a spill) or could not answer in time (not started yet, restarting, dead: a
 failover, and it is skipped for ``DOWN_S``). Only when no router answers does this fall
-back to power of two choices, count it, and log it; requests never fail because of the
-routers.
+back to power of two choices and log it; requests never fail because of the routers.
+Nothing is counted here for the process: each decision says whether it was a fallback
+and which routers it went past, and the caller counts what its requests' decisions say
+(``KVRouteClient.stats``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import random
 import time
@@ -27,31 +29,18 @@ import ray
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
-    ReplicaResult,
     RequestRouter,
     RunningReplica,
 )
 
-from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, Ranking, ReplicaCall, ReplicaUnavailableError
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError
 from kvroute.cluster.ranker import Ranker
 from kvroute.cluster.router_choice import RouterChoice
+from kvroute.router.types import RouteDecision
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_LOG_EVERY_S = 10.0
-_MAX_REMEMBERED_RANKINGS = 10_000
-
-# Process-wide counts over every KVRouteRequestRouter in this process (Serve builds one
-# per handle): what the HTTP ingress exports as kvroute:router_fallbacks / _failovers / _spills.
-PROCESS_STATS = {"ranked": 0, "fallbacks": 0, "failovers": 0, "spills": 0}
-
-
-def _process_stats() -> dict[str, int]:
-    """``PROCESS_STATS`` of the imported module. Serve can hand this class to a process
-    pickled by value, with its own copy of this module's globals (seen in the ingress:
-    the router's failovers counted where /metrics never read them), so the class looks
-    the counts up through ``sys.modules`` instead of its globals."""
-    return importlib.import_module(__name__).PROCESS_STATS
 
 
 def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
@@ -69,10 +58,11 @@ class KVRouteRequestRouter(RequestRouter):
 
     def initialize_state(self, router_actor_names: Sequence[str] = (), timeout_s: float = 1.0, **_: Any) -> None:
         self._names = list(router_actor_names)
-        self._choice = RouterChoice(len(self._names), _process_stats()) if self._names else None
+        choice = RouterChoice(len(self._names)) if self._names else None
         self._timeout_s = timeout_s
         self._actors: dict[str, ray.actor.ActorHandle] = {}
-        self._ranker = Ranker(self._rank, self._note_fallback, _MAX_REMEMBERED_RANKINGS)
+        self._ranker = Ranker(choice, lambda i, request, candidates: self._ask(self._names[i], request, candidates),
+                              self._note_fallback)  # fmt: skip
         self.stats = self._ranker.stats
         self._last_fallback_log = float("-inf")
         self._fallback_counter = None
@@ -117,27 +107,19 @@ class KVRouteRequestRouter(RequestRouter):
         if request is None:
             return self._power_of_two(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = await self._ranker.order(pending_request.metadata.internal_request_id, request, list(by_id))
+        order = await self._ranker.order(pending_request.kwargs, request, list(by_id))
         if order is None:
             return self._power_of_two(candidate_replicas)
         return [[by_id[rid]] for rid in order]
 
-    async def _rank(self, request: GenerateRequest, candidates: list[str]) -> Ranking:
-        """The first router (in ``RouterChoice``'s order) that answers in time."""
-        if self._choice is None:
-            raise RuntimeError("no router actor configured")
-        ranking = await self._choice.first_answer(lambda i: self._ask(self._names[i], request, candidates))
-        _process_stats()["ranked"] += 1
-        return ranking
-
-    async def _ask(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
+    async def _ask(self, name: str, request: GenerateRequest, candidates: list[str]) -> RouteDecision:
         try:
             return await self._ask_once(name, request, candidates)
         except Exception:
             self._actors.pop(name, None)  # looked up again next time
             raise
 
-    async def _ask_once(self, name: str, request: GenerateRequest, candidates: list[str]) -> Ranking:
+    async def _ask_once(self, name: str, request: GenerateRequest, candidates: list[str]) -> RouteDecision:
         actor = self._actors.get(name)
         if actor is None:
             actor = self._actors[name] = await asyncio.wait_for(
@@ -155,7 +137,6 @@ class KVRouteRequestRouter(RequestRouter):
         return [random.sample(candidates, min(2, len(candidates)))]
 
     def _note_fallback(self, exc: BaseException) -> None:
-        _process_stats()["fallbacks"] += 1
         if self._fallback_counter is not None:
             try:
                 self._fallback_counter.inc()
@@ -173,10 +154,6 @@ class KVRouteRequestRouter(RequestRouter):
             )
 
     # ------------------------------------------------------------------ lifecycle hooks
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        request = _arg_of(pending_request, GenerateRequest)
-        self._ranker.routed(pending_request.metadata.internal_request_id, request, replica_id.unique_id)
-
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._forget(replica_id.unique_id)

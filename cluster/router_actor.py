@@ -32,9 +32,10 @@ from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.replica.request_metrics import process_figures
 from kvroute.router.router import Router
+from kvroute.router.types import RouteDecision
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.messages import ROUTER_NAMESPACE, Ranking
+from kvroute.cluster.messages import ROUTER_NAMESPACE
 from kvroute.cluster.router_choice import LOAD_SAMPLE_S
 
 log = logging.getLogger(__name__)
@@ -184,10 +185,10 @@ class RouterService:
 
     def rank(
         self, block_hashes: Sequence[BlockHash], num_tokens: int, candidates: Sequence[str], lora_name: str | None = None
-    ) -> Ranking:
-        """Order ``candidates`` for one request (of LoRA adapter ``lora_name``); unknown
-        candidates (not registered yet, e.g. a replica that just started) go last, in
-        random order."""
+    ) -> RouteDecision:
+        """Decide for one request (of LoRA adapter ``lora_name``): the choice, then the
+        other ``candidates`` to try, by load (``fallbacks``); unknown candidates (not
+        registered yet, e.g. a replica that just started) go last, in random order."""
         self._last_rank = self.clock()
         self.last_call = time.monotonic()
         self._expire_silent()
@@ -195,18 +196,17 @@ class RouterService:
         random.shuffle(unknown)
         if not known:
             self.counters["unregistered_routes"] += 1
-            return Ranking(unknown, 0, "unregistered", router_load=self.load())
+            return RouteDecision(unknown[0], 0, "unregistered", fallbacks=unknown[1:], router_load=self.load())
         decision = self.router.route(block_hashes, num_tokens, known, lora_name=lora_name)
         if self._share is not None:
             self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
             self._flush_peers()
             if self._outbox:
                 self._queued.set()
-        rest = self.router.fallbacks(known, decision.replica_id)
-        return Ranking(
-            [decision.replica_id, *rest, *unknown], decision.expected_cached_tokens, decision.reason, decision.ticket,
-            decision.available_tokens, self.load(),
-        )
+        # the Router's fresh decision, completed with what the caller tries next
+        decision.fallbacks = [*self.router.fallbacks(known, decision.replica_id), *unknown]
+        decision.router_load = self.load()
+        return decision
 
     # ------------------------------------------------------------------ peers
     def _flush_peers(self, force: bool = False) -> None:

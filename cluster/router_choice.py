@@ -52,28 +52,31 @@ class RouterChoice:
         self._down_until = [float("-inf")] * num_routers
         self._busy_until = [float("-inf")] * num_routers  # a busy load report holds until then
         # counts "spills" (calls that went past a busy router) and "failovers" (calls
-        # that went on to another router after one failed)
+        # that went on to another router after one failed), where a call names no counts
+        # of its own: the caller owns them (its process's, or one decision's)
         self.stats = stats if stats is not None else {}
         for key in ("spills", "failovers"):
             self.stats.setdefault(key, 0)
 
-    def order(self) -> list[int]:
-        """Router indices to ask, in order: the routers up and not busy first."""
+    def order(self, counts: dict[str, int] | None = None) -> list[int]:
+        """Router indices to ask, in order: the routers up and not busy first (a spill
+        counted in ``counts``, default ``stats``)."""
         now = self.clock()
         n = len(self.in_flight)
         up = [i for i in range(n) if self._down_until[i] <= now] or list(range(n))
         free = [i for i in up if self.in_flight[i] < self.spill_at and self._busy_until[i] <= now]
         if free and free[0] != up[0]:
-            self.stats["spills"] += 1
+            (self.stats if counts is None else counts)["spills"] += 1
         return free + [i for i in up if i not in free]
 
     def asking(self, i: int) -> None:
         self.in_flight[i] += 1
 
-    def answered(self, i: int, ok: bool, last: bool = True, load: float = 0.0) -> None:
+    def answered(self, i: int, ok: bool, last: bool = True, load: float = 0.0,
+                 counts: dict[str, int] | None = None) -> None:  # fmt: skip
         """Router ``i`` answered a call (``ok``, its process at ``load`` cores), or failed
         or timed out: it is skipped for ``down_s``, and unless it was the ``last`` of the
-        order the call fails over."""
+        order the call fails over (counted in ``counts``, default ``stats``)."""
         self.in_flight[i] -= 1
         if ok:
             self._down_until[i] = float("-inf")
@@ -81,18 +84,19 @@ class RouterChoice:
             return
         self._down_until[i] = self.clock() + self.down_s
         if not last:
-            self.stats["failovers"] += 1
+            (self.stats if counts is None else counts)["failovers"] += 1
 
-    async def first_answer(self, call: Callable[[int], Awaitable[T]]) -> T:
+    async def first_answer(self, call: Callable[[int], Awaitable[T]], counts: dict[str, int] | None = None) -> T:
         """``await call(i)`` on the routers in ``order()`` until one answers (its
-        ``router_load``, when it has one, noted); the last router's error when none does."""
-        order = self.order()
+        ``router_load``, when it has one, noted); the last router's error when none does.
+        The call's spill and failovers are counted in ``counts`` (default ``stats``)."""
+        order = self.order(counts)
         for k, i in enumerate(order):
             self.asking(i)
             try:
                 answer = await call(i)
             except Exception:
-                self.answered(i, False, last=k + 1 == len(order))
+                self.answered(i, False, last=k + 1 == len(order), counts=counts)
                 if k + 1 == len(order):
                     raise
                 continue

@@ -20,7 +20,7 @@ from ray import serve
 
 from kvroute.cluster.client import KVRouteClient
 from kvroute.cluster.config import REQUEST_ROUTERS, ROUTER_CHOICES, ClusterConfig
-from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError, RouteTrace
+from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError
 from kvroute.cluster.replica_deployment import build_engine_deployment
 from kvroute.deploy.errors import APIError
 from kvroute.deploy.serving import ServerLimits
@@ -28,6 +28,7 @@ from kvroute.deploy.worker_pool import WorkerSpec
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.outputs import TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ class ClusterBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
-        on_route: Callable[[RouteTrace], None],
+        on_route: Callable[[RouteOutcome], None],
         lora_name: Optional[str] = None,
     ) -> AsyncIterator[TokenDelta]:
         gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route,
@@ -307,7 +308,7 @@ class OpenAIIngress:
                                      ingress_limits(parsed), aliases, adapters)  # fmt: skip
         self.accuracy = DecisionQuality()
         self.serving.on_finished.append(self.accuracy.on_finished)
-        self.reporter = IngressReporter(self.router_actors, self.accuracy)  # /metrics of the whole application
+        self.reporter = IngressReporter(self.router_actors, self.accuracy, client.stats)  # /metrics of the whole application
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvroute.deploy.api import build_api

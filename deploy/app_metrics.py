@@ -22,18 +22,19 @@ class IngressReporter:
 
     PERIOD_S = 1.0
 
-    def __init__(self, router_actors: list[Any], quality: Any) -> None:
-        self.router_actors, self.quality = router_actors, quality
+    def __init__(self, router_actors: list[Any], quality: Any, routing: dict[str, int]) -> None:
+        # routing: this ingress's counts of fallbacks, failovers and spills (its
+        # client's or its backend's stats), read at each report
+        self.router_actors, self.quality, self.routing = router_actors, quality, routing
         context = serve.get_replica_context()
         self.ingress_id = f"{context.app_name}#{context.replica_id.unique_id}"  # application (route) and replica
         self.node = ray.util.get_node_ip_address()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def report(self) -> dict[str, Any]:
-        from kvroute.cluster.request_router import PROCESS_STATS
         from kvroute.deploy.metrics import ingress_report
 
-        return ingress_report(self.quality, PROCESS_STATS, self.node)
+        return ingress_report(self.quality, self.routing, self.node)
 
     async def _loop(self) -> None:
         while True:

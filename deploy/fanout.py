@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
 
-from kvroute.cluster.messages import RouteTrace
+from kvroute.router.types import RouteOutcome
 from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.replica.outputs import TokenDelta, TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ class Backend(Protocol):
         *,
         request_id: str,
         cache_salt: Optional[str],
-        on_route: Callable[[RouteTrace], None],
+        on_route: Callable[[RouteOutcome], None],
     ) -> AsyncIterator[TokenDelta]:
         """Stream one request; ``on_route`` gets where it went (once it is there).
         Raises ValueError for a bad request and ``APIError`` (429/503) when it cannot
@@ -57,10 +57,10 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
-    trace: RouteTrace = RouteTrace()
+    outcome: RouteOutcome = RouteOutcome()  # how its routing played out (once it is known)
 
-    def routed(self, trace: RouteTrace) -> None:
-        self.trace = trace
+    def routed(self, outcome: RouteOutcome) -> None:
+        self.outcome = outcome
 
     def absorb(self, delta: TokenDelta) -> None:
         self.num_prompt_tokens = delta.num_prompt_tokens

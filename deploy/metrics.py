@@ -18,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.replica.request_metrics import process_figures
 from kvroute.router.reuse import ReuseAccount
+from kvroute.router.types import RouteOutcome
 
 if TYPE_CHECKING:
     from kvroute.deploy.fanout import Choice
@@ -62,13 +63,18 @@ class DecisionQuality:
         self.unpredicted_delivered = 0
 
     def on_finished(self, choice: "Choice") -> None:
-        trace, delivered = choice.trace, choice.num_cached_tokens
-        if trace.expected_cached_tokens is None:
+        self.add(choice.outcome, choice.num_prompt_tokens, choice.num_cached_tokens)
+
+    def add(self, outcome: RouteOutcome, num_prompt_tokens: int, delivered: int) -> None:
+        """One finished request that was routed as ``outcome`` says and found
+        ``delivered`` of its ``num_prompt_tokens`` cached."""
+        decision = outcome.decision
+        if not outcome.predicted or decision is None:
             self.unpredicted_requests += 1
             self.unpredicted_delivered += delivered
             return
-        self.reuse.add(choice.num_prompt_tokens, trace.available_tokens or 0, trace.expected_cached_tokens, delivered,
-                       trace.reason or "unknown")  # fmt: skip
+        self.reuse.add(num_prompt_tokens, decision.available_tokens, decision.expected_cached_tokens, delivered,
+                       decision.reason)  # fmt: skip
 
     _FIELDS = ("requests", "offered", "available", "captured", "delivered", "abs_error", "cold", "stale")
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from kvroute.deploy.api import build_api
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
-from kvroute.cluster.messages import RouteTrace
+from kvroute.router.types import RouteOutcome
 from kvroute.deploy.serving import OpenAIServing, ServerLimits
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.config import EngineConfig
@@ -39,10 +39,10 @@ class EngineBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
-        on_route: Callable[[RouteTrace], None],
+        on_route: Callable[[RouteOutcome], None],
         lora_name: Optional[str] = None,
     ) -> AsyncIterator[TokenDelta]:
-        on_route(RouteTrace(self.engine.replica_id))
+        on_route(RouteOutcome(self.engine.replica_id))
         gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt, lora_name=lora_name)
         try:
             async for delta in gen:

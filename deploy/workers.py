@@ -6,8 +6,8 @@ Per request, ``ForwardingServing`` validates the body as the engine path does,
 tokenizes the prompt once (the workers' model, from the local model folder; a
 completions list is routed by its first prompt) and hands the raw request to
 ``WorkersBackend.forward``: block hashes under the application's ``HashSpec``, a
-ranking from a router actor (this process's own first, failing over to the next, then
-to a random order), and the request, unchanged but for ``model`` (the name the worker
+decision from a router actor (the first in ``RouterChoice``'s order, failing over to the
+next, then a random order), and the request, unchanged but for ``model`` (the name the worker
 serves), to the first worker in that order. The worker's answer passes through
 unchanged (usage and ``prompt_tokens_details.cached_tokens`` included). A worker that
 refuses the connection, drops it or answers 5xx before the first byte of a stream (or
@@ -34,8 +34,6 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvroute.cluster.messages import Ranking
-from kvroute.cluster.request_router import PROCESS_STATS
 from kvroute.cluster.router_choice import RouterChoice
 from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, template_messages
@@ -43,6 +41,7 @@ from kvroute.deploy.serving import OpenAIServing
 from kvroute.deploy.worker_pool import WorkerSpec
 from kvroute.deploy.worker_probe import check_specs, cluster_nodes
 from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.router.types import RouteDecision, RouteOutcome
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,8 @@ class WorkersBackend:
                  accuracy: Any = None) -> None:  # fmt: skip
         self.pool = pool
         self.routers = list(router_actors)
-        self._choice = RouterChoice(len(self.routers), PROCESS_STATS)
+        self.stats = {"fallbacks": 0, "failovers": 0, "spills": 0}  # this ingress's (/metrics: kvroute:router_*)
+        self._choice = RouterChoice(len(self.routers), self.stats)
         self.hash_spec = hash_spec
         self.accuracy = accuracy
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
@@ -157,18 +157,18 @@ class WorkersBackend:
         if not workers:
             raise APIError(503, "no worker is up" + (f" with the adapter {lora_name!r}" if lora_name else ""),
                            code="unavailable", retry_after_s=1.0)  # fmt: skip
-        ranking = await self._rank(hashes, len(token_ids), list(workers), lora_name)
+        decision = await self._rank(hashes, len(token_ids), list(workers), lora_name)
         failed: list[str] = []
-        for wid in (w for w in ranking.replica_ids if w in workers):
+        for wid in (w for w in decision.order if w in workers):
             url, model, _ = workers[wid]
             try:
-                return await self._send(url + path, {**body, "model": lora_name or model}, stream, ranking, wid)
+                return await self._send(url + path, {**body, "model": lora_name or model}, stream, decision, wid)
             except _WorkerFailed as exc:
                 failed.append(wid)
                 await self._take_out(wid, str(exc))
         raise APIError(503, f"no worker could serve the request (failed: {failed})", code="unavailable", retry_after_s=1.0)
 
-    async def _send(self, url: str, body: dict[str, Any], stream: bool, ranking: Ranking, wid: str) -> Answer:
+    async def _send(self, url: str, body: dict[str, Any], stream: bool, decision: RouteDecision, wid: str) -> Answer:
         """The worker's answer: a dict, the SSE bytes (its first chunk already read), or
         its 4xx as an ``APIError``. ``_WorkerFailed``: try another worker."""
         try:
@@ -186,7 +186,7 @@ class WorkersBackend:
                 raise _worker_error(resp.status_code, await resp.aread())
             if not stream:
                 answer = json.loads(await resp.aread())
-                self._account(ranking, wid, answer.get("usage"))
+                self._account(decision, wid, answer.get("usage"))
                 return answer
             chunks = resp.aiter_raw()
             first = await chunks.__anext__()
@@ -202,9 +202,9 @@ class WorkersBackend:
         except BaseException:
             await resp.aclose()
             raise
-        return self._relay(resp, first, chunks, ranking, wid)
+        return self._relay(resp, first, chunks, decision, wid)
 
-    async def _relay(self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], ranking: Ranking,
+    async def _relay(self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], decision: RouteDecision,
                      wid: str) -> AsyncIterator[bytes]:  # fmt: skip
         tail = first[-_TAIL_BYTES:]  # the stream's end: its usage chunk, with include_usage
         try:
@@ -217,7 +217,7 @@ class WorkersBackend:
             body = error_body(503, f"worker {wid} failed mid-stream: {exc!r}", code="unavailable")
             yield b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         else:
-            self._account(ranking, wid, _stream_usage(tail))
+            self._account(decision, wid, _stream_usage(tail))
         finally:
             await resp.aclose()
 
@@ -229,10 +229,10 @@ class WorkersBackend:
             log.warning("could not report worker %s down to the pool: %r", wid, exc)
 
     # ------------------------------------------------------------------ routing
-    async def _rank(self, hashes: list, num_tokens: int, candidates: list[str], lora_name: Optional[str]) -> Ranking:
-        """The first router (in ``RouterChoice``'s order) that answers within a second;
-        none: a random order (counted as a fallback)."""
-        async def ask(i: int) -> Ranking:
+    async def _rank(self, hashes: list, num_tokens: int, candidates: list[str], lora_name: Optional[str]) -> RouteDecision:
+        """The decision of the first router (in ``RouterChoice``'s order) that answers
+        within a second; none: a fallback in random order (counted)."""
+        async def ask(i: int) -> RouteDecision:
             try:
                 return await asyncio.wait_for(self.routers[i].rank.remote(hashes, num_tokens, candidates, lora_name), 1.0)
             except Exception as exc:
@@ -240,24 +240,17 @@ class WorkersBackend:
                 raise
 
         try:
-            ranking = await self._choice.first_answer(ask)
+            return await self._choice.first_answer(ask)
         except Exception:
-            PROCESS_STATS["fallbacks"] += 1
-            return Ranking(random.sample(candidates, len(candidates)), 0, "fallback")
-        PROCESS_STATS["ranked"] += 1
-        return ranking
+            self.stats["fallbacks"] += 1
+            return RouteDecision(None, 0, "fallback", fallbacks=random.sample(candidates, len(candidates)))
 
-    def _account(self, ranking: Ranking, wid: str, usage: Optional[dict[str, Any]]) -> None:
+    def _account(self, decision: RouteDecision, wid: str, usage: Optional[dict[str, Any]]) -> None:
         """Decision quality (``/metrics``) from a whole answer's usage."""
         if self.accuracy is None or not isinstance(usage, dict):
             return
         delivered = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        if ranking.reason == "fallback" or ranking.replica_ids[0] != wid:
-            self.accuracy.unpredicted_requests += 1
-            self.accuracy.unpredicted_delivered += delivered
-            return
-        self.accuracy.reuse.add(int(usage.get("prompt_tokens", 0)), ranking.available_tokens, ranking.expected_cached_tokens,
-                                delivered, ranking.reason)  # fmt: skip
+        self.accuracy.add(RouteOutcome(wid, decision), int(usage.get("prompt_tokens", 0)), delivered)
 
 
 _TAIL_BYTES = 8192
@@ -332,7 +325,7 @@ class WorkersIngress:
         aliases = () if source == name else (source,)
         self.serving = ForwardingServing(name, tokenizer, max_model_len, vocab_size, backend, limits, aliases,
                                          WorkerAdapters(backend))  # fmt: skip
-        self.reporter = IngressReporter(self.router_actors, self.accuracy)
+        self.reporter = IngressReporter(self.router_actors, self.accuracy, backend.stats)
 
     async def check_health(self) -> None:
         """Serve's periodic health check: tells the pool an ingress still uses it (an

@@ -37,21 +37,81 @@ class RouteRequest:
 
 @dataclass(slots=True)
 class RouteDecision:
-    """Where a request goes, how many of its tokens the router expects to be cached
-    there, and why (a short machine-readable reason, e.g. "prefix", "load",
-    "hot_prefix_replica", "round_robin", "no_candidates"). ``ticket``: set by the
-    ``Router`` (policies leave it 0), unique and increasing across its decisions; the
-    request carries it to the replica, whose load reports name the highest ticket they
-    count (``LoadFigures.route_ticket``). ``available_tokens``: set by the ``Router``,
-    the longest prefix of the request any candidate holds (either tier) as its
-    directory saw it at decision time, so ``available - expected`` is what the choice
-    gave up."""
+    """A routing decision as the router makes it: where a request goes
+    (``replica_id``; None: no router decided, reason "fallback"), how many of its tokens
+    the router expects to be cached there, and why (a short machine-readable reason,
+    e.g. "prefix", "load", "hot_prefix_replica", "round_robin", "unregistered").
 
-    replica_id: ReplicaId
+    Set by the ``Router`` (policies leave them at their defaults): ``ticket``, unique
+    and increasing across its decisions; the replica receives it with the request and
+    its load reports name the highest ticket they count (``LoadFigures.route_ticket``).
+    ``available_tokens``: the longest prefix of the request any candidate holds (either
+    tier) as its directory saw it at decision time, so ``available - expected`` is what
+    the choice gave up.
+
+    Set by the router actor and the caller that asked it: ``fallbacks``, the other
+    candidates in the order to try them when the choice is full (best first: ``order``);
+    ``router_load``, the answering router process's CPU use in cores
+    (``RouterService.load``); ``failovers`` and ``spills``, the routers the caller
+    went past to get this answer (one that failed; a busy one: ``RouterChoice``)."""
+
+    replica_id: ReplicaId | None
     expected_cached_tokens: int
     reason: str
     ticket: int = 0
     available_tokens: int = 0
+    fallbacks: Sequence[str] = ()
+    router_load: float = 0.0
+    failovers: int = 0
+    spills: int = 0
+
+    @property
+    def order(self) -> list[str]:
+        """The replicas to try, best first: the choice, then the fallbacks."""
+        return list(self.fallbacks) if self.replica_id is None else [self.replica_id, *self.fallbacks]
+
+
+@dataclass(frozen=True)
+class RouteOutcome:
+    """How a request's routing played out: the replica that served it (``served_by``),
+    the ``decision`` it was sent with (None: no kvroute router decided, e.g. Serve's own
+    request routers or a single engine), and whether this serving is a ``resumed`` one
+    (the request continues after tokens another replica streamed).
+
+    The decision's prediction holds only when the request runs, from its start, on the
+    replica the decision chose; otherwise (another ranked replica served it because the
+    choice was full, a resume, a fallback) it has none (``predicted`` False, the
+    expectation None) and its reason says why ("next_ranked", "resumed", "fallback")."""
+
+    served_by: str | None = None
+    decision: RouteDecision | None = None
+    resumed: bool = False
+
+    @property
+    def predicted(self) -> bool:
+        d = self.decision
+        return d is not None and d.replica_id is not None and d.replica_id == self.served_by and not self.resumed
+
+    @property
+    def reason(self) -> str | None:
+        d = self.decision
+        if self.resumed:
+            return "resumed"
+        if d is not None and d.replica_id is not None and d.replica_id != self.served_by:
+            return "next_ranked"
+        return None if d is None else d.reason
+
+    @property
+    def expected_cached_tokens(self) -> int | None:
+        return self.decision.expected_cached_tokens if self.predicted else None  # type: ignore[union-attr]
+
+    @property
+    def available_tokens(self) -> int | None:
+        return self.decision.available_tokens if self.predicted else None  # type: ignore[union-attr]
+
+    @property
+    def ticket(self) -> int:
+        return 0 if self.decision is None else self.decision.ticket
 
 
 def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:

@@ -90,9 +90,9 @@ def test_rank_puts_the_prefix_holder_first_and_unregistered_last():
     svc.register("a", SPEC, 100, [], 0)
     svc.register("b", SPEC, 100, [BlockHash(11), BlockHash(12)], 0)
     r = svc.rank([BlockHash(11), BlockHash(12)], 9, ["a", "new", "b"])
-    assert r.replica_ids == ["b", "a", "new"] and r.expected_cached_tokens == 8 and r.reason == "prefix"
+    assert r.order == ["b", "a", "new"] and r.expected_cached_tokens == 8 and r.reason == "prefix"
     only_new = svc.rank([BlockHash(11)], 5, ["new"])
-    assert only_new.replica_ids == ["new"] and only_new.reason == "unregistered"
+    assert only_new.order == ["new"] and only_new.reason == "unregistered"
 
 
 def test_silent_replicas_expire_and_removal_is_idempotent():
@@ -121,14 +121,14 @@ def test_routers_share_their_decisions_so_two_place_like_one():
             svc.register(rid, SPEC, 100, [], 0, LoadFigures())
     prefix = [BlockHash(1000 + i) for i in range(8)]
     first = a.rank(prefix + [BlockHash(1)], 40, ["r0", "r1", "r2"])
-    chosen = first.replica_ids[0]
+    chosen = first.replica_id
     assert b.router.stats()["peer_decisions"] == 0  # not flushed yet (flushed at most every PEER_FLUSH_S)
     assert a.push(KVEvents("r0", 1))  # any call flushes
     assert b.router.stats()["peer_decisions"] == 1
     assert b.router.load(chosen).in_flight == 1
     assert b.router.prefix_match(prefix, [chosen])[chosen] == len(prefix)  # pending there
     second = b.rank(prefix + [BlockHash(2)], 40, ["r0", "r1", "r2"])
-    assert second.replica_ids[0] == chosen and second.expected_cached_tokens == 8 * SPEC.block_size
+    assert second.replica_id == chosen and second.expected_cached_tokens == 8 * SPEC.block_size
     assert set(b.stats()["peer_staleness_ms"]) == {"p50", "p99"}
     assert b.note_peer_decisions([("gone", prefix, 40, 1, 0.0, None)]) == 0  # an unknown replica is skipped
 

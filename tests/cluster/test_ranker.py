@@ -1,14 +1,17 @@
-"""The kvroute request router's logic without Ray or Serve: a ``Ranker`` asking a real
-``RouterService`` (the router actor's state), driven the way Serve drives the
-``KVRouteRequestRouter``: rank, maybe rank again, then ``routed``."""
+"""The kvroute request router's logic without Ray or Serve: a ``Ranker`` asking real
+``RouterService``s (the router actors' state) in ``RouterChoice``'s order, driven the
+way Serve drives the ``KVRouteRequestRouter``: rank a call, maybe rank it again; the
+replica then reports where it ran (``RouteOutcome``)."""
 
 import asyncio
 
-from kvroute.cluster.messages import GenerateRequest, RouteTrace
+from kvroute.cluster.messages import ROUTE_ARG, GenerateRequest
 from kvroute.cluster.ranker import Ranker
 from kvroute.cluster.router_actor import RouterService
+from kvroute.cluster.router_choice import RouterChoice
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 SPEC = HashSpec(16)
 PROMPT = list(range(16 * 8 + 3))  # 8 full blocks
@@ -26,75 +29,84 @@ def service() -> RouterService:
     return svc
 
 
-def ranker_over(svc: RouterService, fail: list[BaseException] | None = None) -> tuple[Ranker, list[int], list[BaseException]]:
+def ranker_over(*routers: RouterService | BaseException) -> tuple[Ranker, list[int], list[BaseException]]:
+    """A ranker over these routers, in order (an exception: a router that fails with it)."""
     asked: list[int] = []
     seen: list[BaseException] = []
 
-    async def ask(req: GenerateRequest, candidates: list[str]):
+    async def ask(i: int, req: GenerateRequest, candidates: list[str]):
         asked.append(len(candidates))
-        if fail:
-            raise fail[0]
-        return svc.rank(req.block_hashes, req.num_tokens, candidates)
+        if isinstance(routers[i], BaseException):
+            raise routers[i]
+        return routers[i].rank(req.block_hashes, req.num_tokens, candidates)
 
-    return Ranker(ask, seen.append), asked, seen
+    return Ranker(RouterChoice(len(routers)), ask, seen.append), asked, seen
 
 
-def test_the_decision_is_written_once_and_a_reroute_reuses_it():
-    svc = service()
-    ranker, asked, _ = ranker_over(svc)
-    req = request()
-    order = asyncio.run(ranker.order("k1", req, ["a", "b"]))
+def test_the_decision_goes_with_the_call_and_a_reroute_reuses_it():
+    ranker, asked, _ = ranker_over(service())
+    call: dict = {}
+    order = asyncio.run(ranker.order(call, request(), ["a", "b"]))
     assert order == ["b", "a"]
-    decision = req.route
+    decision = call[ROUTE_ARG]  # what the replica receives as its `route` argument
     assert (decision.replica_id, decision.expected_cached_tokens, decision.reason) == ("b", 5 * 16, "prefix")
-    assert decision.ticket > 0
-    # Serve routes the same request again (b was full): the ranking is reused, not asked
-    assert asyncio.run(ranker.order("k1", req, ["a", "b"])) == ["b", "a"]
+    assert decision.ticket > 0 and decision.order == ["b", "a"]
+    # Serve routes the same call again (b was full): its decision is reused, not asked
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"])) == ["b", "a"]
     assert asked == [2] and ranker.stats == {"ranked": 1, "fallbacks": 0, "reused_rankings": 1}
-    assert req.route is decision
-    # Serve sent it to a: the trace says so, without b's prediction
-    ranker.routed("k1", req, "a")
-    assert req.served_by == "a"
-    assert req.route.served(req.served_by) == RouteTrace("a", None, "next_ranked", decision.ticket)
-    # the ranking is forgotten once routed: the same key asks again
-    asyncio.run(ranker.order("k1", req, ["a", "b"]))
+    assert call[ROUTE_ARG] is decision
+    # Serve sent it to a: the outcome says so, without b's prediction
+    outcome = RouteOutcome("a", decision)
+    assert (outcome.reason, outcome.expected_cached_tokens, outcome.ticket) == ("next_ranked", None, decision.ticket)
+    assert not outcome.predicted
+    # another call (a resume, the next request) is decided afresh
+    asyncio.run(ranker.order({}, request(), ["a", "b"]))
     assert asked == [2, 2]
 
 
 def test_served_by_the_choice_keeps_the_prediction_and_a_resume_drops_it():
     ranker, _, _ = ranker_over(service())
-    req = request()
-    asyncio.run(ranker.order("k", req, ["a", "b"]))
-    ranker.routed("k", req, "b")
-    assert req.route.served("b") == RouteTrace("b", 80, "prefix", req.route.ticket, available_tokens=80)
-    assert req.route.served("a", resumed=True) == RouteTrace("a", None, "resumed", req.route.ticket)
+    call: dict = {}
+    asyncio.run(ranker.order(call, request(), ["a", "b"]))
+    decision = call[ROUTE_ARG]
+    there = RouteOutcome("b", decision)
+    assert there.predicted and (there.reason, there.expected_cached_tokens, there.available_tokens) == ("prefix", 80, 80)
+    resumed = RouteOutcome("a", decision, resumed=True)
+    assert (resumed.reason, resumed.expected_cached_tokens, resumed.ticket) == ("resumed", None, decision.ticket)
+    assert RouteOutcome("b", None).reason is None and RouteOutcome().expected_cached_tokens is None
 
 
 def test_a_failing_router_means_fallback_and_candidates_gone_mean_fallback():
     boom = TimeoutError("router actor too slow")
-    ranker, _, seen = ranker_over(service(), fail=[boom])
-    req = request()
-    assert asyncio.run(ranker.order("k", req, ["a", "b"])) is None
-    assert req.route == RouteTrace(reason="fallback") and seen == [boom]
+    ranker, asked, seen = ranker_over(boom)
+    call: dict = {}
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"])) is None
+    fallback = call[ROUTE_ARG]
+    assert (fallback.replica_id, fallback.reason, fallback.ticket) == (None, "fallback", 0) and seen == [boom]
     assert ranker.stats["fallbacks"] == 1
-    # a ranking whose replicas all left the candidate list: fall back too
+    outcome = RouteOutcome("a", fallback)
+    assert (outcome.reason, outcome.expected_cached_tokens) == ("fallback", None)
+    # routed again, a call that holds a fallback asks again
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"])) is None and asked == [2, 2]
+    # a decision whose replicas all left the candidate list: fall back too
     ranker2, _, _ = ranker_over(service())
-    req2 = request("q2")
-    asyncio.run(ranker2.order("k2", req2, ["a", "b"]))
-    assert asyncio.run(ranker2.order("k2", req2, ["c"])) is None
+    call2: dict = {}
+    asyncio.run(ranker2.order(call2, request("q2"), ["a", "b"]))
+    assert asyncio.run(ranker2.order(call2, request("q2"), ["c"])) is None
 
 
-def test_remembered_rankings_are_bounded():
-    svc = service()
-    asked: list[str] = []
-
-    async def ask(req, candidates):
-        asked.append(req.request_id)
-        return svc.rank(req.block_hashes, req.num_tokens, candidates)
-
-    ranker = Ranker(ask, max_remembered=2)
-    for i in range(3):
-        asyncio.run(ranker.order(f"k{i}", request(f"q{i}"), ["a", "b"]))
-    asyncio.run(ranker.order("k0", request("q0"), ["a", "b"]))  # k0 was dropped: asked again
-    asyncio.run(ranker.order("k2", request("q2"), ["a", "b"]))  # k2 kept: reused
-    assert asked == ["q0", "q1", "q2", "q0"]
+def test_a_decision_says_which_routers_it_went_past():
+    """The caller counts failovers and fallbacks from its decisions: a router that
+    failed before another answered is one failover, every router failing a fallback."""
+    ranker, _, _ = ranker_over(TimeoutError("router 0 down"), service())
+    call: dict = {}
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"])) == ["b", "a"]
+    assert (call[ROUTE_ARG].failovers, call[ROUTE_ARG].spills, call[ROUTE_ARG].reason) == (1, 0, "prefix")
+    # router 0 is now skipped (down): the next call asks router 1 at once, no failover
+    again: dict = {}
+    asyncio.run(ranker.order(again, request(), ["a", "b"]))
+    assert again[ROUTE_ARG].failovers == 0
+    none, _, _ = ranker_over(TimeoutError("0"), TimeoutError("1"))
+    lost: dict = {}
+    assert asyncio.run(none.order(lost, request(), ["a", "b"])) is None
+    assert (lost[ROUTE_ARG].reason, lost[ROUTE_ARG].failovers) == ("fallback", 1)

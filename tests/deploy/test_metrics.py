@@ -3,24 +3,32 @@ delivered, as ``/metrics`` renders them."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.cluster.messages import RouteTrace
 from kvroute.deploy.fanout import Choice
 from kvroute.deploy.metrics import DecisionQuality, render
+from kvroute.router.types import RouteDecision, RouteOutcome
 
 
-def finished(trace: RouteTrace, prompt: int, cached: int) -> Choice:
+def finished(outcome: RouteOutcome, prompt: int, cached: int) -> Choice:
     c = Choice(index=0, prompt_index=0, num_prompt_tokens=prompt, num_cached_tokens=cached)
-    c.routed(trace)
+    c.routed(outcome)
     return c
+
+
+def served(rid: str, expected: int, reason: str, ticket: int, available: int) -> RouteOutcome:
+    """Served where the router chose, as it decided."""
+    return RouteOutcome(rid, RouteDecision(rid, expected, reason, ticket, available))
+
+
+FALLBACK = RouteOutcome("x", RouteDecision(None, 0, "fallback"))
 
 
 def test_reuse_figures_and_losses_add_up_to_the_prompt():
     q = DecisionQuality()
-    q.on_finished(finished(RouteTrace("a", 96, "prefix", 1, available_tokens=96), 200, 96))  # all captured, delivered
-    q.on_finished(finished(RouteTrace("b", 32, "load", 2, available_tokens=128), 200, 16))  # gave up 96, 16 stale
-    q.on_finished(finished(RouteTrace("c", 0, "new_prefix", 3, available_tokens=0), 100, 0))  # cold
-    q.on_finished(finished(RouteTrace("d", 0, "prefix", 4, available_tokens=0), 50, 48))  # more than expected
-    q.on_finished(finished(RouteTrace(reason="fallback"), 80, 64))  # no prediction
+    q.on_finished(finished(served("a", 96, "prefix", 1, 96), 200, 96))  # all captured, delivered
+    q.on_finished(finished(served("b", 32, "load", 2, 128), 200, 16))  # gave up 96, 16 stale
+    q.on_finished(finished(served("c", 0, "new_prefix", 3, 0), 100, 0))  # cold
+    q.on_finished(finished(served("d", 0, "prefix", 4, 0), 50, 48))  # more than expected
+    q.on_finished(finished(FALLBACK, 80, 64))  # no prediction
     r = q.reuse
     assert (r.requests, r.offered, r.available, r.captured, r.delivered) == (4, 550, 224, 128, 160)
     assert (r.cold, dict(r.routing), r.stale) == (326, {"load": 96}, 16)
@@ -43,9 +51,9 @@ def test_the_application_view_sums_every_ingress_and_labels_nodes():
     from kvroute.deploy.metrics import ingress_report, render_app
 
     a, b = DecisionQuality(), DecisionQuality()
-    a.on_finished(finished(RouteTrace("r1", 96, "prefix", 1, available_tokens=96), 200, 96))
-    b.on_finished(finished(RouteTrace("r2", 32, "load", 2, available_tokens=128), 200, 16))
-    b.on_finished(finished(RouteTrace(reason="fallback"), 80, 64))
+    a.on_finished(finished(served("r1", 96, "prefix", 1, 96), 200, 96))
+    b.on_finished(finished(served("r2", 32, "load", 2, 128), 200, 16))
+    b.on_finished(finished(FALLBACK, 80, 64))
     reports = {"i1": ingress_report(a, {"fallbacks": 0, "failovers": 2, "spills": 1}, "10.0.0.2"),
                "i2": ingress_report(b, {"fallbacks": 1, "failovers": 0, "spills": 3}, "10.0.0.3")}
     router = {"process": {"pid": 7, "rss_bytes": 1}, "node": "10.0.0.2", "decisions_by_reason": {}}
