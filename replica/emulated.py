@@ -9,7 +9,9 @@ read, ``replica/profiles.py``), stretched by ``time_scale``, and each sampling r
 a deterministic token: a function of the request's last tokens and its length, so a
 request resumed on another replica continues exactly as it would have, and it never
 emits an end-of-sequence or special token (emulated requests run to ``max_tokens``).
-No logprobs: a row that asks for them gets None.
+No logprobs: a row that asks for them gets None. No logits either, so the engine refuses
+(ValueError at ``make_request``) a request with structured outputs or another logits
+constraint (``logit_bias``, ``allowed_token_ids``, ``bad_words``) rather than ignore it.
 
 LoRA adapters (``enable_lora``): only their configs are read (a folder's
 ``adapter_config.json``, for the rank); ``max_loras`` slots hold the resident ones (LRU,
@@ -94,7 +96,7 @@ class EmulatedModel:
         out, self._restores = self._restores, []
         return out
 
-    def __call__(self, logits: None, rows: Sequence[SampleRequest]) -> SamplerOutput:
+    def __call__(self, logits: None, rows: Sequence[SampleRequest], mask: None = None) -> SamplerOutput:
         return SamplerOutput([self.next_token(r) for r in rows], [None] * len(rows))
 
     def next_token(self, row: SampleRequest) -> int:

@@ -19,6 +19,7 @@ from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
+    from kvroute.replica.logits_constraints import EngineConstraints
     from kvroute.replica.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Engine:
             self.lora = self.runner.lora = self._adapter_slots(config)
             for name, path in config.lora_modules.items():
                 self.load_lora(name, path)
+        self.constraints = self._constraints(config)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
         if self.lora is not None:
             self.telemetry.lora_state = self.lora.state
@@ -111,6 +113,15 @@ class Engine:
 
         return LoRAManager(self.arch, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
                            self.runner.lora_layers, self.runner.lora_batch)  # fmt: skip
+
+    def _constraints(self, config: EngineConfig) -> "EngineConstraints | None":
+        """Structured outputs and the other logits constraints; None for an emulated engine
+        (no logits: a constrained request is refused in ``make_request``)."""
+        if config.emulate is not None:
+            return None
+        from kvroute.replica.logits_constraints import EngineConstraints
+
+        return EngineConstraints(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
 
     def _load_model(self, config: EngineConfig) -> int:
         """The model runner (weights on the device) and the sampler; returns the KV
@@ -200,6 +211,11 @@ class Engine:
         req = Request(rid, ids, params, self.hash_spec, cache_salt, lora_name, self.eos_token_ids)
         req.route_ticket = route_ticket
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        if params.constrained:  # its grammar's compile starts now; resumed tokens are replayed
+            if self.constraints is None:
+                raise ValueError("structured outputs, logit_bias, allowed_token_ids and bad_words need a "
+                                 "model's logits; the emulated engine has none")  # fmt: skip
+            req.constraints = self.constraints.for_request(params)
         if resumed:
             req.token_ids.extend(resumed)
             # Every token before the last one went through the detokenizer (none stopped
@@ -218,6 +234,8 @@ class Engine:
             self._lora_served.add(request.lora_name)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if request.constraints is not None:
+            self.constraints.add(request)  # type: ignore[union-attr]
 
     def add_request(
         self,
@@ -288,8 +306,10 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepOutput:
+        deltas = [] if self.constraints is None else [self._refuse(r, why) for r, why in self.constraints.poll()]
         sched = self.scheduler.schedule()
-        deltas: list[TokenDelta] = []
+        if sched.empty and self.constraints is not None:
+            self.constraints.wait(0.01)  # nothing else to run: give a pending grammar compile time
         if not sched.empty:
             t0 = time.perf_counter()
             logits = self.runner.execute(sched)
@@ -304,15 +324,25 @@ class Engine:
                         SampleRequest(r.request.params, r.request.prompt_token_ids, r.request.output_token_ids, r.request.eos_token_ids)
                         for r in sampling_rows
                     ],
+                    None if self.constraints is None else self.constraints.step_mask([r.request for r in sampling_rows]),
                 )
                 for row, tok, lp in zip(sampling_rows, sampled.token_ids, sampled.logprobs):
                     deltas.append(self._append(row.request, tok, lp))
             self.telemetry.observe_step(sched, time.perf_counter() - t0)
         return StepOutput(deltas, self.telemetry.events(), sched.num_tokens, len(sched.rows))
 
+    def _refuse(self, req: Request, reason: str) -> TokenDelta:
+        """End a request whose grammar cannot run (its compile failed or ran past the time
+        limit, or a resumed token does not match it): "abort", the reason as stop_reason."""
+        log.warning("request %s refused: %s", req.request_id, reason)
+        self.scheduler.finish(req, "abort")
+        self.requests.pop(req.request_id, None)
+        return TokenDelta(req.request_id, [], "", None, "abort", req.num_prompt_tokens, 0, reason)
+
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> TokenDelta:
         p = req.params
         req.append_token(token)
+        grammar = None if req.constraints is None else req.constraints.accept(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if logprob is not None:
@@ -333,6 +363,8 @@ class Engine:
                 reason, stop_reason = "stop", stop_str
             elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
+        if reason is None and grammar is not None:  # the grammar is complete (or broken)
+            reason = "stop" if grammar == "stop" else "abort"
         if reason is not None:
             if not isinstance(stop_reason, str):
                 text += req.detokenizer.flush()  # release held-back text: no stop string ended it

@@ -49,6 +49,7 @@ class Request:
     first_token_time: float | None = field(init=False, default=None)
     detokenizer: Any = field(init=False, default=None)
     route_ticket: int = field(init=False, default=0)  # the router's ticket for this request (0: none)
+    constraints: Any = field(init=False, default=None)  # logits_constraints.RequestConstraints, if any
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -21,13 +21,15 @@ its token depends on neither the batch around it nor the sampler's history, so a
 recomputed after preemption, or resumed on another machine (same device type) with its
 tokens so far, samples the same tokens. Unseeded rows share the sampler's own generator.
 
-Logprobs are taken from the model's raw distribution (``log_softmax`` of the unprocessed
+Before step 1, a step's logits constraints (``replica/logits_constraints.py``: grammar,
+``allowed_token_ids``, ``bad_words``, ``logit_bias``) are applied when the engine passes
+them. Logprobs are taken from the model's raw distribution (``log_softmax`` of the unprocessed
 logits), as vLLM does by default.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -254,22 +256,24 @@ class Sampler:
         gen.manual_seed(step_seed(seed, step))
         return gen
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
-        """``logits``: ``[num_rows, vocab]``, any float dtype (computed in float32)."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest], mask: Any = None) -> SamplerOutput:
+        """``logits``: ``[num_rows, vocab]``, any float dtype (computed in float32).
+        ``mask``: the step's constraints (``logits_constraints.StepMask``), applied first."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         num_rows = len(rows)
         if num_rows == 0:
             return SamplerOutput([], [])
+        constrained = logits if mask is None else mask.apply(logits)  # float32 copy when masked
         if all(_plain_greedy(r) for r in rows):
             # widening is exact and keeps the order, so the argmax of the logits as they
             # are is the argmax in float32 (the first of equal maxima either way)
-            return SamplerOutput(ops.argmax_rows(logits).tolist(), [None] * num_rows)
+            return SamplerOutput(ops.argmax_rows(constrained).tolist(), [None] * num_rows)
         raw = logits.float()
         device = raw.device
         token_ids: list[int] = [0] * num_rows
 
-        processed = apply_penalties(raw, rows)
+        processed = apply_penalties(raw if mask is None else constrained, rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
 

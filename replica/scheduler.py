@@ -16,6 +16,9 @@ next step and a long one still advances. A lone prompt's chunk may take ``LONE_S
 targets: a request arriving meanwhile joins only at the next step. Before any step is
 measured, a chunk is at most ``PROBE_TOKENS``.
 
+A waiting request whose structured-output grammar is still compiling is passed over
+(it keeps its place; the requests behind it are admitted) until the compile is done.
+
 With LoRA, the running requests use at most ``max_loras`` distinct adapters: a waiting
 request of another adapter waits (in order) until one of them has no running request.
 """
@@ -200,8 +203,12 @@ class Scheduler:
         return out
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allot: dict[int, float] | None) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        skip = 0  # requests ahead whose grammar is still compiling: they keep their place
+        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[skip]
+            if req.constraints is not None and not req.constraints.ready:
+                skip += 1
+                continue
             if not self._adapter_fits(req):
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
@@ -213,7 +220,7 @@ class Scheduler:
                 break
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[skip]
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
