@@ -70,9 +70,10 @@ class KVCacheManager:
 
         The last token is always left to compute (its logits are needed), so a prompt
         that is entirely cached hits every block but the one holding its last token.
-        Verified against stored token ids; does not take references.
+        Verified against stored token ids; does not take references. A request that
+        wants prompt logprobs computes its whole prompt (no hits).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes()
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -35,6 +35,9 @@ class TokenDelta:
     num_cached_tokens: int  # both tiers
     stop_reason: str | int | None = None
     num_host_cached_tokens: int = 0  # of which restored from the host tier
+    # with the first token of a request that asked for them: one per prompt token
+    # (None for the first, which has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -51,6 +54,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -68,3 +72,5 @@ class RequestOutput:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_host_cached_tokens = delta.num_host_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs

@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
     logprobs: list[TokenLogprob] | None = field(init=False, default=None)
+    prompt_logprobs: list[TokenLogprob | None] = field(init=False, default_factory=lambda: [None])
     finish_reason: str | None = field(init=False, default=None)
     stop_reason: str | int | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)

@@ -20,7 +20,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible: the random
     draw for output token *i* depends only on ``(seed, i)``, so a request recomputed after
     preemption, or resumed elsewhere with its tokens so far, samples the same tokens.
-    ``logprobs=N`` returns the sampled token's logprob and the top-N alternatives.
+    ``logprobs=N`` returns the sampled token's logprob and the top-N alternatives;
+    ``prompt_logprobs=N`` the same for every prompt token after the first (computed, not
+    read from the prefix cache: a cached block has no logits).
     ``top_k`` 0 or -1: no top-k filter.
 
     Constraints (``replica/logits_constraints.py``), applied to the logits before the
@@ -48,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None
@@ -99,6 +102,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
