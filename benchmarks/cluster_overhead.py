@@ -32,6 +32,7 @@ from kvroute.benchmarks.common import write_result
 from kvroute.cluster.router_actor import RouterActor
 from kvroute.replica.block_hash import BlockHash, HashSpec, hash_blocks
 from kvroute.replica.kv_events import LoadFigures
+from kvroute.benchmarks import options
 
 BLOCK = 16
 
@@ -136,8 +137,7 @@ def _e2e_part(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--cached-blocks", type=int, default=4096, help="directory blocks per replica")
     ap.add_argument("--latency-requests", type=int, default=1000)
@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--e2e-model", default="smollm2-135m-instruct")
     ap.add_argument("--e2e-requests", type=int, default=200)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    options.add_output(ap, "cluster_overhead")
+
+
+def run(args: argparse.Namespace) -> int:
     ray.init(address="auto" if _cluster_running() else None, include_dashboard=False, log_to_driver=False,
              logging_level="warning", num_cpus=None if _cluster_running() else 8)
     result: dict[str, Any] = {"router_actor": _router_part(args)}
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{e['power_of_two']['ttft_ms']['p50']:.1f} ms"
         )
     write_result("cluster_overhead", result, summary, args.out)
+    return 0
 
 
 def _cluster_running() -> bool:
@@ -173,4 +176,6 @@ def _cluster_running() -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

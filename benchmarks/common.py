@@ -1,4 +1,5 @@
-"""Small helpers every benchmark shares: results folder, JSON output, one summary line."""
+"""Small helpers every benchmark shares: the machine it ran on, JSON output with one summary
+line, the practical matmul peak."""
 
 from __future__ import annotations
 
@@ -11,11 +12,7 @@ from typing import Any
 
 import torch
 
-
-def results_dir() -> Path:
-    path = Path(os.environ.get("KVROUTE_RESULTS", "results"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+from kvroute.benchmarks import options
 
 
 def machine() -> dict[str, Any]:
@@ -30,8 +27,9 @@ def machine() -> dict[str, Any]:
 
 
 def write_result(name: str, result: dict[str, Any], summary: str, out: str | None = None) -> Path:
-    """Write ``result`` (plus machine info) as JSON and print the one summary line."""
-    path = Path(out) if out else results_dir() / f"{name}.json"
+    """Write ``result`` (plus machine info) as JSON to ``out`` or, by the results rule
+    (``options.py``), ``<results>/<name>.json``, and print the one summary line."""
+    path = options.result_file(name, out)
     payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **result}
     path.write_text(json.dumps(payload, indent=2))
     print(f"{name}: {summary}  [{path}]")

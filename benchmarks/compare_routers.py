@@ -22,14 +22,14 @@ at every rate. With ``--emulate PROFILE [--time-scale K]`` the replicas are emul
 (``replica/emulated.py``: real scheduler and KV cache, the profile's step times × K)
 and every reported time is in unscaled seconds.
 
-Outputs (``--out-dir``, default ``results/compare_routers/<workload>``): one JSON per
+Outputs (``--out-dir``, default ``results/compare_routers/<label>``, the label defaulting to the workload's name): one JSON per
 router and rate, ``combined.json`` (table rows + target ratios), ``table.md`` and PNG
 plots (``ttft_cdf.png``, ``hit_rate.png``, ``ttft_vs_rate.png``).
 
 Locally (starts a Ray cluster):
-    python -m kvroute.benchmarks.compare_routers --gsp-num-groups 16 ...
+    kvroute bench compare_routers --gsp-num-groups 16 ...
 As a Ray job (``ray start --head --num-cpus 4``; Ray 2.60 token auth, see the README):
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.compare_routers ...
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks compare_routers ...
 """
 
 from __future__ import annotations
@@ -41,30 +41,56 @@ import json
 import math
 import os
 import secrets
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from kvroute.benchmarks import cpu_account, serving
+from kvroute.benchmarks import cpu_account, options, serving
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.external_fleet import ExternalFleet
+from kvroute.benchmarks.fleet_probes import per_replica
 from kvroute.benchmarks.fleets import (
-    EXTERNAL_ROUTERS, ONE_ROUTER, SERVE_ROUTERS, SERVED_NAME, Fleet, ServeFleet, external_available, per_replica,
+    EXTERNAL_ROUTERS, ONE_ROUTER, SERVE_ROUTERS, SERVED_NAME, Fleet, FleetConfig, ServeFleet, external_available,
+    fleet_from_args,
 )
-from kvroute.benchmarks.router_report import format_rows, write_outputs
-from kvroute.deploy.cli import parse_engine_kwargs
+from kvroute.benchmarks.router_report import after_event, format_rows, per_ingress, write_outputs
+from kvroute.benchmarks.serving_config import LoadConfig
 
 
-# ---------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.compare_routers", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint folder")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--max-ongoing-requests", type=int, default=64)
+@dataclass(frozen=True)
+class CompareConfig:
+    """One comparison: ``workload`` offered as ``load`` says at each of ``request_rates``
+    (default: ``load.request_rate``) through each of ``routers`` (default: the Serve
+    routers, plus the external ones that are installed) on ``fleet``'s replicas, whose
+    engines take ``engine_kwargs`` (emulating the profile ``emulate`` at
+    ``load.time_scale``). At ``event_at`` × the arrival span, ``kill_replicas`` replicas
+    die, ``fleet.add_replicas`` join and, with ``kill_router``, a router actor dies;
+    ``window_s``: the hit-rate window after that event."""
+
+    workload: wl.Workload
+    load: LoadConfig
+    fleet: FleetConfig = FleetConfig()
+    request_rates: tuple[float, ...] = ()
+    routers: tuple[str, ...] = ()
+    engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"block_size": 16})
+    emulate: Optional[str] = None
+    tokenizer: Optional[str] = None
+    kill_replicas: int = 0
+    event_at: float = 0.5
+    kill_router: bool = False
+    window_s: float = 60.0
+    out_dir: Optional[str] = None
+    label: Optional[str] = None
+
+
+# ---------------------------------------------------------------------- CLI
+def add_args(p: argparse.ArgumentParser) -> None:
+    f = options.add_fleet(p, replicas=2, cpus_per_replica=1.0, app_name="kvroute-bench")
+    f.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint folder")
+    f.add_argument("--torch-threads", type=int, default=1)
+    f.add_argument("--max-ongoing-requests", type=int, default=64)
+    f.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default='{"block_size": 16}', help="EngineConfig fields as JSON (every router's engines)")
     p.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="emulated replicas with this step-time profile (replica/profiles.py); see --time-scale")
@@ -86,28 +112,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-s", type=float, default=60.0,
                    help="the hit rate of the requests that start this long (unscaled s) after the event is reported")
     p.add_argument("--request-rates", default=None, help="comma list of request rates to sweep (default: --request-rate)")
-    p.add_argument("--app-name", default="kvroute-bench")
-    p.add_argument("--deployment-name", default="EngineReplica", help=argparse.SUPPRESS)
-    p.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, as in a Ray job, else start one)")
-    p.add_argument("--out-dir", default=None, help="default: results/compare_routers/<workload>")
-    p.add_argument("--label", default=None)
+    options.add_output(p, "compare_routers", folder=True)
+    p.add_argument("--label", default=None, help="the run's name and its folder under --out-dir's default (default: the workload's)")
     serving.add_workload_args(p)
     serving.add_load_args(p)
-    return p
 
 
-def _settings(args: argparse.Namespace, routers: list[str]) -> tuple[dict[str, Any], serving.LoadConfig]:
+def config_from_args(args: argparse.Namespace) -> CompareConfig:
+    from kvroute.deploy.cli import parse_engine_kwargs
+
+    fleet = fleet_from_args(args, model=args.model, torch_threads=args.torch_threads, max_ongoing_requests=args.max_ongoing_requests,
+                            add_replicas=args.add_replicas, ingresses=args.ingresses, num_routers=args.num_routers,
+                            deployment_name=args.deployment_name)  # fmt: skip
+    return CompareConfig(
+        workload=serving.workload_from_args(args), load=serving.load_config_from_args(args), fleet=fleet,
+        request_rates=tuple(float(x) for x in options.csv(args.request_rates)), routers=tuple(options.csv(args.routers)),
+        engine_kwargs=parse_engine_kwargs(args.engine_kwargs), emulate=args.emulate, tokenizer=args.tokenizer,
+        kill_replicas=args.kill_replicas, event_at=args.event_at, kill_router=args.kill_router, window_s=args.window_s,
+        out_dir=args.out_dir, label=args.label,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    combined = compare(config_from_args(args))
+    t = combined["targets"][-1] if combined["targets"] else {}
+    line = ", ".join(f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float) and k != "rate")
+    errors = sum(r["failed"] for r in combined["rows"])
+    print(f"compare_routers[{combined['label']}]: {len(combined['rows'])} runs, {errors} errors; {line}  [{combined['out_dir']}]")
+    return 0 if errors == 0 else 1
+
+
+# ---------------------------------------------------------------------- the comparison
+def _settings(cfg: CompareConfig, routers: list[str]) -> tuple[dict[str, Any], LoadConfig]:
     """The engines' settings (one hash seed for every redeploy; emulation) and the load."""
-    engine_kwargs = parse_engine_kwargs(args.engine_kwargs)
+    engine_kwargs = dict(cfg.engine_kwargs)
     engine_kwargs.setdefault("hash_seed", secrets.randbits(63))
-    if args.emulate:
-        engine_kwargs["emulate"] = args.emulate
-    if args.time_scale != 1.0:
-        engine_kwargs.setdefault("time_scale", args.time_scale)
-    if engine_kwargs.get("time_scale", 1.0) != args.time_scale:
-        raise ValueError(f"--time-scale {args.time_scale} and engine_kwargs time_scale {engine_kwargs['time_scale']} differ")
-    config = dataclasses.replace(serving.load_config_from_args(args), block_size=int(engine_kwargs.get("block_size", 16)))
+    time_scale = cfg.load.time_scale
+    if cfg.emulate:
+        engine_kwargs["emulate"] = cfg.emulate
+    if time_scale != 1.0:
+        engine_kwargs.setdefault("time_scale", time_scale)
+    if engine_kwargs.get("time_scale", 1.0) != time_scale:
+        raise ValueError(f"--time-scale {time_scale} and engine_kwargs time_scale {engine_kwargs['time_scale']} differ")
+    config = dataclasses.replace(cfg.load, block_size=int(engine_kwargs.get("block_size", 16)))
     if any(r in EXTERNAL_ROUTERS for r in routers) and config.prompt_format == "tokens":
         # sglang-router and vllm-router take text prompts only (their OpenAI schema has no token-id
         # prompt): every router gets the same decoded text, so the runs stay comparable
@@ -116,9 +163,9 @@ def _settings(args: argparse.Namespace, routers: list[str]) -> tuple[dict[str, A
     return engine_kwargs, config
 
 
-def _routers(args: argparse.Namespace) -> list[str]:
-    routers = [r.strip() for r in args.routers.split(",")] if args.routers else [
-        *SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
+def _routers(cfg: CompareConfig) -> list[str]:
+    fleet = cfg.fleet
+    routers = list(cfg.routers) or [*SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
     known = (*SERVE_ROUTERS, ONE_ROUTER, *EXTERNAL_ROUTERS)
     unknown = [r for r in routers if r not in known]
     if unknown:
@@ -126,91 +173,100 @@ def _routers(args: argparse.Namespace) -> list[str]:
     missing = [r for r in routers if r in EXTERNAL_ROUTERS and not external_available(r)]
     if missing:
         raise ValueError(f"{missing} not installed (pip install {' '.join(r.replace('_', '-') for r in missing)})")
-    if args.ingresses < 1 or (args.num_routers is not None and args.num_routers < 1):
-        raise ValueError(f"--ingresses and --num-routers must be >= 1, got {args.ingresses} and {args.num_routers}")
-    if args.kill_router and (routers != ["kvroute"] or (args.num_routers or args.ingresses) < 2):
+    if fleet.ingresses < 1 or (fleet.num_routers is not None and fleet.num_routers < 1):
+        raise ValueError(f"--ingresses and --num-routers must be >= 1, got {fleet.ingresses} and {fleet.num_routers}")
+    if cfg.kill_router and (routers != ["kvroute"] or (fleet.num_routers or fleet.ingresses) < 2):
         raise ValueError("--kill-router needs --routers kvroute and at least 2 router actors (--ingresses or --num-routers): "
                          "the others take over")
+    if not 0 <= fleet.add_replicas < fleet.replicas:
+        raise ValueError(f"--add-replicas must be in [0, --replicas), got {fleet.add_replicas}")
     return routers
 
 
-def _join_ray(args: argparse.Namespace) -> None:
+def _join_ray(fleet: FleetConfig) -> None:
     import ray
     from ray import serve
 
-    address = args.address or os.environ.get("RAY_ADDRESS")
+    address = fleet.address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         pass  # a caller (a test, a notebook) already joined a cluster
     elif address:
         ray.init(address=address, logging_level="warning")
     else:  # logical CPUs: room for every replica, ingress and router even on a small machine
-        routers = args.num_routers or args.ingresses
-        need = int(math.ceil(args.replicas * args.num_cpus_per_replica + 0.5 * routers + 0.1 * args.ingresses + 2))
+        routers = fleet.num_routers or fleet.ingresses
+        need = int(math.ceil(fleet.replicas * fleet.num_cpus_per_replica + 0.5 * routers + 0.1 * fleet.ingresses + 2))
         # address="local": a new cluster even where an old `ray start` left its address behind
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
-    serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+    serve.start(http_options={"host": "127.0.0.1", "port": fleet.http_port})
 
 
-async def _measure(fleet: Fleet, base_urls: list[str], workload: wl.Workload, config: serving.LoadConfig,
-                   decode: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """One benchmark, its clients spread over ``base_urls``; at ``--event-at`` × the
-    trace's arrival span, ``--kill-replicas`` replicas die (and come back empty),
-    ``--add-replicas`` join and ``--kill-router`` kills a router actor, while it runs."""
+async def _measure(fleet: Fleet, base_urls: list[str], config: LoadConfig, decode: Any,
+                   cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, list[str]]]:  # fmt: skip
+    """One benchmark, its clients spread over ``base_urls``; at ``event_at`` × the
+    trace's arrival span, ``kill_replicas`` replicas die (and come back empty),
+    ``add_replicas`` join and ``kill_router`` kills a router actor, while it runs."""
+    workload = cfg.workload
     bench = asyncio.ensure_future(serving.benchmark(base_urls, workload, config, SERVED_NAME, decode))
     events: dict[str, Any] = {"killed_replicas": [], "added_replicas": [], "killed_routers": []}
-    if args.kill_replicas or args.add_replicas or args.kill_router:
+    if cfg.kill_replicas or cfg.fleet.add_replicas or cfg.kill_router:
         span = max(r.arrival_s for r in serving.with_arrivals(workload, config.request_rate, config.arrival, config.seed).requests)
-        await asyncio.sleep(args.event_at * span * config.time_scale)
-        if not bench.done() and args.kill_replicas:
-            events["killed_replicas"] = await asyncio.to_thread(fleet.kill_replicas, args.kill_replicas)
-        if not bench.done() and args.add_replicas:
-            events["added_replicas"] = await asyncio.to_thread(fleet.add_replicas, args.add_replicas)
-        if not bench.done() and args.kill_router:
+        await asyncio.sleep(cfg.event_at * span * config.time_scale)
+        if not bench.done() and cfg.kill_replicas:
+            events["killed_replicas"] = await asyncio.to_thread(fleet.kill_replicas, cfg.kill_replicas)
+        if not bench.done() and cfg.fleet.add_replicas:
+            events["added_replicas"] = await asyncio.to_thread(fleet.add_replicas, cfg.fleet.add_replicas)
+        if not bench.done() and cfg.kill_router:
             events["killed_routers"] = [await asyncio.to_thread(fleet.kill_router)]
-        events["event_s"] = args.event_at * span  # unscaled, as the results' start times
-        print(f"  at {args.event_at:.0%} of the arrivals: " + ", ".join(f"{k} {v}" for k, v in events.items() if v), flush=True)
+        events["event_s"] = cfg.event_at * span  # unscaled, as the results' start times
+        print(f"  at {cfg.event_at:.0%} of the arrivals: " + ", ".join(f"{k} {v}" for k, v in events.items() if v), flush=True)
     return await bench, events
 
 
-def after_event(r: dict[str, Any], event_s: float, window_s: float) -> dict[str, Any]:
-    """The completed requests that started within ``window_s`` after the event: their
-    ids and prefix-cache hit rate (the same ids' rate in an undisturbed run compares)."""
-    picked = [i for i, (t, err) in enumerate(zip(r["start_times"], r["errors"])) if not err and event_s <= t < event_s + window_s]
-    return {"after_event_request_ids": [r["request_ids"][i] for i in picked],
-            "after_event_hit_rate": window_hit_rate(r, [r["request_ids"][i] for i in picked])}  # fmt: skip
+def _one_run(fleet: Fleet, router: str, rate: float, config: LoadConfig, decode: Any, cfg: CompareConfig) -> dict[str, Any]:
+    """``router`` at ``rate`` from cold caches: the run's results and what the fleet
+    and its routers counted meanwhile."""
+    info = fleet.start(router)
+    print(f"compare_routers: {router} at {rate} req/s ({len(cfg.workload)} requests)…", flush=True)
+    before, routing_before = fleet.counters(), fleet.router_counters()
+    cpu_before, t0 = cpu_account.snapshot(), time.perf_counter()
+    r, events = asyncio.run(_measure(fleet, info["base_urls"], dataclasses.replace(config, request_rate=rate), decode, cfg))
+    cpu = cpu_account.usage(cpu_before, cpu_account.snapshot(), time.perf_counter() - t0)
+    ingresses = cfg.fleet.ingresses
+    run_info = {"router": router, **info, **events, "cpu": cpu, "fleet_cpu_cores": cpu["cores"],
+                "ingresses": ingresses, "requests_per_ingress": per_ingress(r, ingresses)}  # fmt: skip
+    if "event_s" in events:
+        run_info.update(after_event(r, events["event_s"], cfg.window_s))
+    print(f"  fleet CPU: {cpu_account.describe(cpu)}", flush=True)
+    if before is not None:
+        time.sleep(1.5)  # the replicas' last metrics report
+        run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
+        print("  per replica (requests, prompt, cached, adapter loads): " + "; ".join(
+            f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}, "
+            f"{c.get('adapter_loads', 0):.0f}" for rid, c in spread.items()), flush=True)  # fmt: skip
+    if fleet.kind == "serve":
+        run_info["peer_staleness_ms"] = fleet.peer_staleness_ms()
+    if routing_before is not None:
+        after = fleet.router_counters() or {}
+        run_info["routing"] = routing = {k: v - routing_before.get(k, 0.0) for k, v in sorted(after.items())}
+        print("  routing: " + ", ".join(f"{k} {v:.0f}" for k, v in routing.items() if v), flush=True)
+    print(f"  {router}: {serving.summary_line(r)}", flush=True)
+    return {**run_info, **r}
 
 
-def window_hit_rate(r: dict[str, Any], request_ids: Sequence[str]) -> Optional[float]:
-    """Cached / prompt tokens over ``request_ids`` of run ``r`` (None: no prompt tokens)."""
-    at = {rid: i for i, rid in enumerate(r["request_ids"])}
-    idx = [at[rid] for rid in request_ids if rid in at and not r["errors"][at[rid]]]
-    prompt = sum(r["input_lens"][i] for i in idx)
-    return sum(r["cached_lens"][i] or 0 for i in idx) / prompt if prompt else None
+def compare(cfg: CompareConfig) -> dict[str, Any]:
+    """Every router at every rate; writes the runs, ``combined.json``, ``table.md`` and
+    the plots to the output folder and returns the combined result."""
+    routers = _routers(cfg)
+    engine_kwargs, config = _settings(cfg, routers)
+    decode = serving.decoder(cfg.tokenizer or (cfg.fleet.model if config.prompt_format == "text" else None))
+    rates = list(cfg.request_rates) or [config.request_rate]
+    label = cfg.label or cfg.workload.name
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else options.results_dir("compare_routers") / label
 
-
-def per_ingress(r: dict[str, Any], ingresses: int) -> list[int]:
-    """Completed requests per ingress (the client's side of the spread)."""
-    counts = [0] * ingresses
-    for i, err in zip(r["ingresses"], r["errors"]):
-        counts[i] += not err
-    return counts
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    workload = serving.workload_from_args(args)
-    routers = _routers(args)
-    if not 0 <= args.add_replicas < args.replicas:
-        raise ValueError(f"--add-replicas must be in [0, --replicas), got {args.add_replicas}")
-    engine_kwargs, config = _settings(args, routers)
-    decode = serving.decoder(args.tokenizer or (args.model if config.prompt_format == "text" else None))
-    rates = [float(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
-    label = args.label or workload.name
-    out_dir = Path(args.out_dir) if args.out_dir else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "compare_routers" / label
-
-    serve_fleet, external_fleet = ServeFleet(args, engine_kwargs), ExternalFleet(args, engine_kwargs)
+    serve_fleet, external_fleet = ServeFleet(cfg.fleet, engine_kwargs), ExternalFleet(cfg.fleet, engine_kwargs)
     fleets: dict[str, Fleet] = {r: external_fleet if r in EXTERNAL_ROUTERS else serve_fleet for r in routers}
     if any(f is serve_fleet for f in fleets.values()):
-        _join_ray(args)
+        _join_ray(cfg.fleet)
         if routers[0] != "kvroute":
             serve_fleet.start("kvroute")  # the control handle must be built under kvroute's request router
     results: dict[str, dict[str, Any]] = {}
@@ -218,47 +274,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for rate in rates:
             for router in routers:
-                fleet = fleets[router]
-                info = fleet.start(router)
-                print(f"compare_routers: {router} at {rate} req/s ({len(workload)} requests)…", flush=True)
-                before, routing_before = fleet.counters(), fleet.router_counters()
-                cpu_before, t0 = cpu_account.snapshot(), time.perf_counter()
-                r, events = asyncio.run(_measure(fleet, info["base_urls"], workload, dataclasses.replace(config, request_rate=rate),
-                                                 decode, args))  # fmt: skip
-                cpu = cpu_account.usage(cpu_before, cpu_account.snapshot(), time.perf_counter() - t0)
-                run_info = {"router": router, **info, **events, "cpu": cpu, "fleet_cpu_cores": cpu["cores"],
-                            "ingresses": args.ingresses, "requests_per_ingress": per_ingress(r, args.ingresses)}  # fmt: skip
-                if "event_s" in events:
-                    run_info.update(after_event(r, events["event_s"], args.window_s))
-                print(f"  fleet CPU: {cpu_account.describe(cpu)}", flush=True)
-                if before is not None:
-                    time.sleep(1.5)  # the replicas' last metrics report
-                    run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
-                    print("  per replica (requests, prompt, cached, adapter loads): " + "; ".join(
-                        f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}, "
-                        f"{c.get('adapter_loads', 0):.0f}" for rid, c in spread.items()), flush=True)  # fmt: skip
-                if fleet.kind == "serve":
-                    run_info["peer_staleness_ms"] = fleet.peer_staleness_ms()
-                if routing_before is not None:
-                    after = fleet.router_counters() or {}
-                    run_info["routing"] = routing = {k: v - routing_before.get(k, 0.0) for k, v in sorted(after.items())}
-                    print("  routing: " + ", ".join(f"{k} {v:.0f}" for k, v in routing.items() if v), flush=True)
-                results[f"{router}_rate{rate:g}"] = {**run_info, **r}
-                print(f"  {router}: {serving.summary_line(r)}", flush=True)
+                results[f"{router}_rate{rate:g}"] = _one_run(fleets[router], router, rate, config, decode, cfg)
     finally:
         for fleet in {id(f): f for f in fleets.values()}.values():
             fleet.close()  # (one external router at a time: each start() stops the one before)
-    meta = {
-        "label": label, "workload": workload.name, "workload_params": workload.params, "model": args.model,
-        "replicas": args.replicas, "ingresses": args.ingresses, "num_routers": args.num_routers,
-        "torch_threads": args.torch_threads, "engine_kwargs": engine_kwargs,
-        "routers": routers, "request_rates": rates, "max_concurrency": config.max_concurrency,
-        "same_replicas_for_every_serve_router": bool(serve_fleet.replica_ids), "replica_ids": serve_fleet.replica_ids,
-        "wall_s": time.perf_counter() - t_start,
-    }
     from kvroute.benchmarks.common import machine
 
-    meta["machine"] = machine()
+    workload, f = cfg.workload, cfg.fleet
+    meta = {
+        "label": label, "workload": workload.name, "workload_params": workload.params, "model": f.model,
+        "replicas": f.replicas, "ingresses": f.ingresses, "num_routers": f.num_routers,
+        "torch_threads": f.torch_threads, "engine_kwargs": engine_kwargs,
+        "routers": routers, "request_rates": rates, "max_concurrency": config.max_concurrency,
+        "same_replicas_for_every_serve_router": bool(serve_fleet.replica_ids), "replica_ids": serve_fleet.replica_ids,
+        "wall_s": time.perf_counter() - t_start, "machine": machine(),
+    }  # fmt: skip
     combined = write_outputs(out_dir, results, meta)
     print(format_rows(combined["rows"]))
     for t in combined["targets"]:
@@ -267,19 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return combined
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        combined = run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    t = combined["targets"][-1] if combined["targets"] else {}
-    line = ", ".join(f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float) and k != "rate")
-    errors = sum(r["failed"] for r in combined["rows"])
-    print(f"compare_routers[{combined['label']}]: {len(combined['rows'])} runs, {errors} errors; {line}  [{combined['out_dir']}]")
-    return 0 if errors == 0 else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -6,15 +6,13 @@ keeps its own tree of what it routed, and each takes 1/I of the clients."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 from typing import Any
 
-from kvroute.benchmarks.fleets import (
-    _CLI, EXTERNAL_ROUTERS, SERVED_NAME, _free_port, _wait_http, replica_counters, wait_until, warm_up,
-)
+from kvroute.benchmarks.fleet_probes import SERVED_NAME, free_port, replica_counters, wait_http, wait_until, warm_up
+from kvroute.benchmarks.fleets import _CLI, EXTERNAL_ROUTERS, FleetConfig
 
 # how each registers a worker while it runs (sglang-router 0.3: JSON body; vllm-router: query)
 _ADD_WORKER = {"sglang_router": lambda url: ("/workers", {"json": {"url": url}}),
@@ -29,10 +27,10 @@ class ExternalFleet:
     _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale",
                   "host_kv_blocks", "max_loras", "max_lora_rank", "max_cpu_loras")
 
-    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
-        self.args = args
+    def __init__(self, args: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
+        self.config = args
         self.engine_kwargs = engine_kwargs
-        self.ingresses = getattr(args, "ingresses", 1)
+        self.ingresses = args.ingresses
         self.procs: list[subprocess.Popen] = []  # the replicas, in the order of self.urls
         self.router_procs: list[subprocess.Popen] = []  # one per ingress, in the order of self.base_urls
         self.urls: list[str] = []
@@ -41,36 +39,36 @@ class ExternalFleet:
     def _start_replicas(self, n: int) -> list[str]:
         """``n`` more ``serve-replica`` processes, once each answers ``/health``."""
         kw = self.engine_kwargs
-        flags = ["--model", self.args.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
+        flags = ["--model", self.config.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
         for key in self._FORWARDED:
             if kw.get(key) is not None:
                 flags += [f"--{key.replace('_', '-')}", str(kw[key])]
         flags += self._lora_flags()
         new = []
         for _ in range(n):
-            port = _free_port()
+            port = free_port()
             new.append(f"http://127.0.0.1:{port}")
             self.procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "serve-replica", *flags, "--replica-id",
                                                 f"ext-{len(self.urls) + len(new) - 1}", "--port", str(port)], env=self._env()))
         self.urls += new
         for url in new:
-            _wait_http(url + "/health", self.procs, 300)
+            wait_http(url + "/health", self.procs, 300)
         return new
 
     def start(self, router: str) -> dict[str, Any]:
         self.close()
         try:
-            urls = self._start_replicas(self.args.replicas - self.args.add_replicas)
+            urls = self._start_replicas(self.config.replicas - self.config.add_replicas)
             self.router = router
             for _ in range(self.ingresses):
-                port, metrics_port = _free_port(), _free_port()  # (a fixed default metrics port would clash)
+                port, metrics_port = free_port(), free_port()  # (a fixed default metrics port would clash)
                 self.router_procs.append(subprocess.Popen([
                     sys.executable, "-m", EXTERNAL_ROUTERS[router], "--host", "127.0.0.1", "--port", str(port),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                     "--policy", "cache_aware", "--worker-urls", *urls]))  # fmt: skip
                 self.base_urls.append(f"http://127.0.0.1:{port}")
             for url in self.base_urls:
-                _wait_http(url + "/v1/models", [*self.procs, *self.router_procs], 120)
+                wait_http(url + "/v1/models", [*self.procs, *self.router_procs], 120)
                 warm_up(url, -(-len(urls) // self.ingresses))  # as many in all as with one router
         except BaseException:
             self.close()
@@ -105,7 +103,7 @@ class ExternalFleet:
             self.procs[i] = subprocess.Popen(old.args, env=self._env())
             killed.append(self.urls[i])
         for url in killed:
-            _wait_http(url + "/health", self.procs, 300)
+            wait_http(url + "/health", self.procs, 300)
         return killed
 
     def add_replicas(self, n: int) -> list[str]:
@@ -128,7 +126,7 @@ class ExternalFleet:
         return new
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": str(self.args.torch_threads)}
+        return {**os.environ, "OMP_NUM_THREADS": str(self.config.torch_threads)}
 
     def close(self) -> None:
         procs = [*self.router_procs, *self.procs]

@@ -1,10 +1,10 @@
 """Routers at fleet scale on emulated replicas: a scenario matrix.
 
-    python -m kvroute.benchmarks.fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
+    kvroute bench fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
         [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,multi-turn]
         [--loads 0.6,0.85,0.95,1.2] [--routers kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router]
         [--scale 1.0] [--host-kv-factor 0] [--sim-only] [--out-dir results/fleet_matrix]
-    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.fleet_matrix ...)
+    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks fleet_matrix ...)
 
 Every router gets the same fleet shape (``--replicas`` replicas emulating ``--profile``:
 the real scheduler and KV cache, the profile's step times × ``--time-scale``; see
@@ -40,15 +40,16 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as wl
+from kvroute.benchmarks.fleets import fleet_from_args
 from kvroute.benchmarks.router_report import markdown_table
+from kvroute.benchmarks.serving_config import quiet_load
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _share(fraction: float, replicas: int) -> int:
     return max(1, round(fraction * replicas)) if fraction else 0
 
 
-def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> list[dict[str, Any]]:
+def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: Path) -> list[dict[str, Any]]:
     from kvroute.benchmarks import compare_routers
     from kvroute.replica.profiles import get_profile
 
@@ -130,7 +131,7 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
     workload = workload_of(name, args.scale, args.len_scale, args.seed)
     kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
     capacity, _ = predict(workload, profile, args.replicas, kv_blocks, [], routers, args.seed)
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = [float(x) for x in options.csv(args.loads)]
     rates = [round(f * capacity, 3) for f in loads]
     s = SCENARIOS[name]
     host_blocks = round(args.host_kv_factor * kv_blocks)
@@ -145,20 +146,12 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str]) -> lis
                 for load, rate in zip(loads, rates) for router in routers]  # fmt: skip
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": profile.max_model_len, "host_kv_blocks": host_blocks}  # fmt: skip
-    argv = [
-        "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
-        "--routers", ",".join(routers), "--emulate", args.profile, "--time-scale", str(args.time_scale),
-        "--engine-kwargs", json.dumps(engine_kwargs), "--request-rates", ",".join(map(str, rates)),
-        "--dataset-name", s.dataset, "--workload-kwargs", json.dumps(s.workload_kwargs), "--scale", str(args.scale),
-        "--len-scale", str(args.len_scale), "--seed", str(args.seed), "--out-dir", str(Path(args.out_dir) / name), "--label", name,
-        "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
-        "--timeout-s", str(args.timeout_s),
-        "--kill-replicas", str(_share(s.kill_fraction, args.replicas)), "--add-replicas", str(_share(s.add_fraction, args.replicas)),
-        "--event-at", "0.5",
-    ]  # fmt: skip
-    if args.address:
-        argv += ["--address", args.address]
-    combined = compare_routers.run(compare_routers.build_parser().parse_args(argv))
+    combined = compare_routers.compare(compare_routers.CompareConfig(
+        workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale),
+        fleet=fleet_from_args(args, add_replicas=_share(s.add_fraction, args.replicas)), request_rates=tuple(rates),
+        routers=tuple(routers), engine_kwargs=engine_kwargs, emulate=args.profile,
+        kill_replicas=_share(s.kill_fraction, args.replicas), event_at=0.5, out_dir=str(out / name), label=name,
+    ))  # fmt: skip
     rows = []
     for row in combined["rows"]:
         load = loads[rates.index(row["rate"])]
@@ -220,50 +213,35 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(rows, cols)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.fleet_matrix", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=16)
-    p.add_argument("--profile", default="gpu_h100_llama3_8b")
-    p.add_argument("--time-scale", type=float, default=10.0)
+def add_args(p: argparse.ArgumentParser) -> None:
+    f = options.add_fleet(p, replicas=16, cpus_per_replica=0.05, app_name="kvroute-fleet", time_scale=10.0)
+    f.add_argument("--profile", default="gpu_h100_llama3_8b", help="the step profile the replicas emulate")
+    f.add_argument("--host-kv-factor", type=float, default=0.0,
+                   help="each replica gets a host KV tier of this many times its device blocks (0: none)")
+    options.add_trace(p)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--loads", default="0.6,0.85,0.95,1.2", help="fractions of each scenario's estimated capacity")
     p.add_argument("--routers", default="kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router")
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the groups / tenants / conversations")
-    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (CI runs use a small one)")
-    p.add_argument("--host-kv-factor", type=float, default=0.0,
-                   help="each replica gets a host KV tier of this many times its device blocks (0: none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=1800.0)
-    p.add_argument("--app-name", default="kvroute-fleet")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--address", default=None)
     p.add_argument("--sim-only", action="store_true",
                    help="the simulator's predictions alone, for every router and load (no Ray, no replicas; minutes)")
-    p.add_argument("--out-dir", default=str(Path(os.environ.get("KVROUTE_RESULTS", "results")) / "fleet_matrix"))
-    return p
+    options.add_output(p, "fleet_matrix", folder=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+def run(args: argparse.Namespace) -> int:
+    scenarios, routers = options.csv(args.scenarios), options.csv(args.routers)
     unknown = [s for s in scenarios if s not in SCENARIOS]
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in SIM_POLICY]
     if unknown or bad:
-        print(f"error: unknown scenarios {unknown} (choose from {sorted(SCENARIOS)}) or routers {bad}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
+        raise ValueError(f"unknown scenarios {unknown} (choose from {sorted(SCENARIOS)}) or routers {bad}")
+    t0, out = time.perf_counter(), options.result_folder("fleet_matrix", args.out_dir)
     rows: list[dict[str, Any]] = []
     for name in scenarios:
-        rows += run_scenario(name, args, routers)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+        rows += run_scenario(name, args, routers, out)
     tg = targets(rows)
     from kvroute.benchmarks.common import machine
 
-    result = {"benchmark": "fleet_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": list(argv or sys.argv[1:]),
+    result = {"benchmark": "fleet_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
               "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale, "scale": args.scale, "len_scale": args.len_scale,
               "sim_only": args.sim_only,
               "routers": routers, "scenarios": scenarios, "rows": rows, "targets": tg, "machine": machine(),
@@ -285,4 +263,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -7,11 +7,10 @@ that grow to ``--replicas`` mid-run (``--add-replicas``, ``add_replicas``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import subprocess
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 from kvroute.cluster.config import ROUTER_CHOICES
 
@@ -21,7 +20,6 @@ ONE_ROUTER = "kvroute_1router"
 # External routers: module run with ``python -m`` (each is an sglang-router-style CLI:
 # --host/--port/--policy/--worker-urls), started with --policy cache_aware.
 EXTERNAL_ROUTERS = {"sglang_router": "sglang_router.launch_router", "vllm_router": "vllm_router.launch_router"}
-SERVED_NAME = "kvroute-bench"
 _CLI = "import sys; from kvroute.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -30,18 +28,44 @@ def external_available(name: str) -> bool:
 
     return name in EXTERNAL_ROUTERS and importlib.util.find_spec(name) is not None
 
+from kvroute.benchmarks.fleet_probes import (
+    SERVED_NAME,
+    ingress_requests,
+    peer_staleness_ms,
+    router_counters,
+    wait_counters,
+    wait_until,
+    warm_up,
+)
 
-def wait_until(probe: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
-    """``probe()``'s first truthy value, polled every ``interval_s``; TimeoutError
-    naming ``what`` after ``timeout_s``. A probe raises to give up early."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s} s")
-        time.sleep(interval_s)
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The engine replicas every router of a comparison runs on, and the Ray cluster and
+    Serve application that hold them. ``add_replicas``: every run starts with
+    ``replicas - add_replicas``, the rest join mid-run; ``ingresses``: I ingresses,
+    the clients spread evenly over them; ``num_routers``: kvroute's router actors
+    (default: one per ingress)."""
+
+    model: str = "smollm2-135m-instruct"
+    replicas: int = 2
+    num_cpus_per_replica: float = 1.0
+    torch_threads: int = 1
+    max_ongoing_requests: int = 64
+    add_replicas: int = 0
+    ingresses: int = 1
+    num_routers: Optional[int] = None
+    app_name: str = "kvroute-bench"
+    deployment_name: str = "EngineReplica"
+    http_port: int = 8000
+    address: Optional[str] = None
+
+
+
+def fleet_from_args(args: Any, **fields: Any) -> FleetConfig:
+    """A ``FleetConfig`` from the ``options.add_fleet`` group's values in ``args``, and ``fields``."""
+    shared = {k: getattr(args, k) for k in ("replicas", "num_cpus_per_replica", "app_name", "http_port", "address")}
+    return FleetConfig(**{**shared, **fields})
 
 
 class Fleet(Protocol):
@@ -81,11 +105,11 @@ class ServeFleet:
 
     kind = "serve"
 
-    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
-        self.args = args
+    def __init__(self, args: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
+        self.config = args
         self.engine_kwargs = engine_kwargs
         self.app_name = args.app_name
-        self.ingresses = getattr(args, "ingresses", 1)
+        self.ingresses = args.ingresses
         self.base_urls = [f"http://127.0.0.1:{args.http_port}/{self.ingress_app(i)}" for i in range(self.ingresses)]
         self.base_url = self.base_urls[0]
         self.replica_ids: list[str] = []
@@ -100,24 +124,24 @@ class ServeFleet:
         return self.app_name if i == 0 else f"{self.app_name}-ingress{i}"
 
     def app_args(self, router: str) -> Any:
-        from kvroute.deploy.app import parse_args, router_choice
+        from kvroute.deploy.app_config import parse_args, router_choice
 
         route = router_choice("kvroute" if router == ONE_ROUTER else router)
-        num_routers = 1 if router == ONE_ROUTER else getattr(self.args, "num_routers", None) or self.ingresses
+        num_routers = 1 if router == ONE_ROUTER else self.config.num_routers or self.ingresses
         return parse_args({
             "app_name": self.app_name,
             "llm_configs": [{
-                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.args.model},
+                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.config.model},
                 "engine_kwargs": self.engine_kwargs,
                 "deployment_config": {
                     "num_replicas": self.size,
-                    "ray_actor_options": {"num_cpus": self.args.num_cpus_per_replica},
+                    "ray_actor_options": {"num_cpus": self.config.num_cpus_per_replica},
                     "request_router_config": {"request_router_class": route["request_router_class"]},
-                    "max_ongoing_requests": self.args.max_ongoing_requests,
+                    "max_ongoing_requests": self.config.max_ongoing_requests,
                 },
                 "router_policy": route["router_policy"],
                 "num_routers": num_routers,
-                "torch_threads": self.args.torch_threads,
+                "torch_threads": self.config.torch_threads,
             }],
             "ingress": {"num_cpus": 0.1},
         })
@@ -198,7 +222,7 @@ class ServeFleet:
         import ray
 
         from kvroute.cluster.messages import ReplicaCall
-        from kvroute.deploy.app import router_choice
+        from kvroute.deploy.app_config import router_choice
 
         t0 = time.perf_counter()
         self._starts += 1
@@ -306,7 +330,7 @@ class ServeFleet:
     def _kill_prefix_tree_actor(self) -> None:
         import ray
 
-        namespace = f"serve::{self.app_name}::{self.args.deployment_name}"
+        namespace = f"serve::{self.app_name}::{self.config.deployment_name}"
         try:
             ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=namespace), no_restart=True)
         except ValueError:
@@ -325,146 +349,3 @@ class ServeFleet:
         finally:
             kill_router_actors(self.app_name)
             self._kill_prefix_tree_actor()
-
-
-def warm_up(base_url: str, n: int, timeout_s: float = 120.0) -> None:
-    """A few requests shorter than one block (nothing gets cached): the new ingress and
-    its handle are up before the clock starts."""
-    import httpx
-
-    def answered() -> bool:
-        try:
-            r = httpx.post(base_url + "/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi",
-                                                               "max_tokens": 1, "temperature": 0}, timeout=60)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    for _ in range(n):
-        wait_until(answered, timeout_s, f"{base_url} did not answer a warm-up request")
-
-
-_COUNTED = {"vllm:request_success": "requests", "vllm:prompt_tokens": "prompt_tokens",
-            "vllm:prefix_cache_hits": "cached_tokens", "vllm:generation_tokens": "output_tokens",
-            "kvroute:lora_slot_loads": "adapter_loads"}
-
-
-def metric_families(base_url: str) -> list[Any]:
-    """The metric families of the app's (or a process's) ``/metrics``, parsed."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return list(text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text))
-
-
-def replica_counters(base_url: str) -> dict[str, dict[str, float]]:
-    """Per replica, the cumulative counters of the app's ``/metrics`` (requests, prompt,
-    cached and output tokens, LoRA adapter slot loads): a run's difference shows how a
-    router spread the load. A ``serve-replica`` answers with its own row."""
-    out: dict[str, dict[str, float]] = {}
-    for fam in metric_families(base_url):
-        key = _COUNTED.get(fam.name)
-        if key is None:
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_total") and "replica" in sample.labels:
-                row = out.setdefault(sample.labels["replica"], dict.fromkeys(_COUNTED.values(), 0.0))
-                row[key] += sample.value
-    return out
-
-
-_ROUTER_COUNTED = {"kvroute:router_fallbacks": "fallbacks", "kvroute:predicted_cached_tokens": "predicted_cached_tokens",
-                   "kvroute:actual_cached_tokens": "actual_cached_tokens", "kvroute:cached_tokens_abs_error": "cached_tokens_abs_error",
-                   "kvroute:routed_requests": "routed_requests", "kvroute:router_failovers": "failovers",
-                   "kvroute:router_spills": "spills"}  # fmt: skip
-
-
-def ingress_requests(base_url: str) -> dict[str, float]:
-    """Finished requests per ingress application (``kvroute:ingress_requests``, whose
-    ``ingress`` label is ``<application>#<replica>``), summed over its replicas."""
-    out: dict[str, float] = {}
-    for fam in metric_families(base_url):
-        if fam.name == "kvroute:ingress_requests":
-            for sample in fam.samples:
-                if sample.name.endswith("_total"):
-                    app = sample.labels["ingress"].split("#")[0]
-                    out[app] = out.get(app, 0.0) + sample.value
-    return out
-
-
-def router_counters(base_url: str) -> dict[str, float]:
-    """The app's cumulative routing counters from ``/metrics``: the names above,
-    ``decisions:<reason>`` for the router's decisions by reason, ``reuse:<figure>`` for
-    the decision-quality figures (offered, available, captured, delivered) and
-    ``loss:<kind>[:<reason>]`` for their losses."""
-    out: dict[str, float] = {}
-    for fam in metric_families(base_url):
-        for sample in fam.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            if fam.name == "kvroute:routing_decisions":
-                key = "decisions:" + sample.labels["reason"]
-            elif fam.name == "kvroute:reuse_tokens":
-                key = "reuse:" + sample.labels["figure"]
-            elif fam.name == "kvroute:reuse_loss_tokens":
-                key = ":".join(filter(None, ("loss", sample.labels["kind"], sample.labels["reason"])))
-            elif fam.name in _ROUTER_COUNTED:
-                key = _ROUTER_COUNTED[fam.name]
-            else:
-                continue
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
-def peer_staleness_ms(base_url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for fam in metric_families(base_url):
-        if fam.name == "kvroute:router_peer_staleness_seconds":
-            for sample in fam.samples:
-                key = {"0.5": "p50", "0.99": "p99"}[sample.labels["quantile"]]
-                out[key] = max(out.get(key, 0.0), sample.value * 1e3)
-    return out
-
-
-def wait_counters(base_url: str, replica_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
-    """The counters once every replica has reported (about once a second); what there
-    is after ``timeout_s`` otherwise."""
-    last: dict[str, dict[str, float]] = {}
-
-    def probe() -> Optional[dict[str, dict[str, float]]]:
-        nonlocal last
-        last = replica_counters(base_url)
-        return last if set(replica_ids) <= set(last) else None
-
-    try:
-        return wait_until(probe, timeout_s, "replica counters")
-    except TimeoutError:
-        return last
-
-
-def per_replica(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    return {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in row.items()} for rid, row in sorted(after.items())}
-
-
-# ---------------------------------------------------------------------- external router
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
-    import httpx
-
-    def up() -> bool:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode} before {url} answered")
-        try:
-            return httpx.get(url, timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout_s, f"{url} did not answer")

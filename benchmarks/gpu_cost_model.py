@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
 def bench_cost_model(folder: Path, quick: bool, label: str) -> dict[str, Any]:
     """Step times of the checkpoint in ``folder`` through the engine's ModelRunner,
     fitted to the simulator's cost model."""
-    from kvroute.benchmarks.gpu_engine import _rows, _time_steps, kv_bytes_per_token, weight_bytes_of
+    from kvroute.benchmarks.gpu_shapes import _rows, _time_steps, kv_bytes_per_token, weight_bytes_of
     from kvroute.replica.checkpoint import load_hf_config
     from kvroute.replica.cuda_graphs import default_graph_sizes
     from kvroute.replica.model_runner import ModelRunner
@@ -101,13 +100,14 @@ def profile_of(result: dict[str, Any], host_copy_bytes_per_s: float, command: st
 
 def run_cost_models(shapes: list[str], root: Path, quick: bool, restore_json: str | None, save_dir: str | None, out: str | None) -> None:
     from kvroute.benchmarks.common import write_result
-    from kvroute.benchmarks.gpu_engine import SHAPES, shape_checkpoint
+    from kvroute.benchmarks.gpu_shapes import SHAPES, shape_checkpoint
 
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     host_rate = json.loads(Path(restore_json).read_text())["restore_gb_per_s"] * 1e9 if restore_json else 0.0
-    command = "python -m kvroute.benchmarks.gpu_engine " + " ".join(sys.argv[1:])
+    command = f"kvroute bench gpu_engine --cost-model --shapes {','.join(shapes)}" + (" --quick" if quick else "") + (
+        f" --restore-json {restore_json}" if restore_json else "")  # fmt: skip
     results, profiles = [], []
     for shape in shapes:
         results.append(bench_cost_model(shape_checkpoint(shape, root), quick, shape))

@@ -7,7 +7,7 @@ events), and the profiler's kernel time split into attention, GEMMs, norms, RoPE
 store, activation, logits and copies; the host's share is the wall time less the
 GPU's busy time. The HBM roofline of the step is printed beside it.
 
-    python -m kvroute.benchmarks.gpu_profile [--batches 1,64] [--context 1024] [--checkpoints DIR] [--out FILE]
+    kvroute bench gpu_profile [--batches 1,64] [--context 1024] [--checkpoints DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvroute.benchmarks import options
 
 # kernel-name fragments per category, first match wins
 CATEGORIES = [
@@ -58,7 +60,7 @@ def kernel_split(prof: Any, steps: int) -> dict[str, float]:
 
 
 def profile_decode(folder: Path, batch: int, context: int, iters: int = 20) -> dict[str, Any]:
-    from kvroute.benchmarks.gpu_engine import _rows, copy_bandwidth, decode_bytes, weight_bytes_of
+    from kvroute.benchmarks.gpu_shapes import _rows, copy_bandwidth, decode_bytes, weight_bytes_of
     from kvroute.replica.checkpoint import load_hf_config
     from kvroute.replica.cuda_graphs import default_graph_sizes
     from kvroute.replica.model_runner import ModelRunner
@@ -172,18 +174,19 @@ def sweep_decode_attention(bw: float) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", default="64", help="comma-separated decode batch sizes ('' for none)")
     ap.add_argument("--checkpoints", default=None, help="folder keeping the random checkpoint across runs")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true", help="also sweep decode attention's launch options")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    options.add_output(ap, "gpu_profile")
+
+
+def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kvroute.benchmarks.gpu_profile needs a CUDA GPU")
     from kvroute.benchmarks.common import write_result
-    from kvroute.benchmarks.gpu_engine import copy_bandwidth, shape_checkpoint
+    from kvroute.benchmarks.gpu_shapes import copy_bandwidth, shape_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="kvroute-gpu-profile-") as tmp:
         folder = shape_checkpoint("llama-3.2-1b", Path(args.checkpoints or tmp))
@@ -202,7 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                      f"{r['host_ms']:.2f}, roofline {r['roofline_ms']:.2f} ({r['roofline_fraction']:.0%})")  # fmt: skip
     sweep = sweep_decode_attention(copy_bandwidth()) if args.sweep else []
     write_result("gpu_profile", {"runs": runs, "attention_sweep": sweep}, f"Llama-3.2-1B decode, ctx {args.context}: " + "; ".join(parts), args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

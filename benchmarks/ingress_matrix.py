@@ -1,11 +1,11 @@
 """The multi-ingress matrix (issue 30): every router at I ingresses, measured on emulated
 replicas, with the simulator's prediction beside each cell.
 
-    python -m kvroute.benchmarks.ingress_matrix [--ingresses 8,1,4,2] [--scenarios b2b,zipf,multi-tenant]
+    kvroute bench ingress_matrix [--ingresses 8,1,4,2] [--scenarios b2b,zipf,multi-tenant]
         [--load 0.85] [--routers kvroute,kvroute_1router,prefix_affinity_ray,sglang_router,vllm_router]
         [--replicas 16] [--profile gpu_h100_llama3_8b] [--time-scale 80] [--scale 0.25] [--len-scale 1.0]
         [--sizes b2b=0.5:0.25] [--output-len 32] [--kill-router zipf:8] [--out-dir results/ingress_matrix]
-    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks.ingress_matrix ...)
+    (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks ingress_matrix ...)
 
 Each (scenario, I) is one ``compare_routers --ingresses I`` run on ``fleet_matrix``'s
 scenarios, KV sizing and load (a fraction of the simulator's capacity estimate for the
@@ -32,15 +32,16 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
-from kvroute.benchmarks.router_report import markdown_table
+from kvroute.benchmarks.fleets import fleet_from_args
+from kvroute.benchmarks.router_report import markdown_table, window_hit_rate
+from kvroute.benchmarks.serving_config import quiet_load
 
 # (in the order a run takes them: kvroute_1router after the others with one router per ingress, as
 # each change of the router count restarts the engine replicas)
@@ -119,30 +120,21 @@ def simulate(cell: Cell, ingresses: int, router: str, args: argparse.Namespace) 
             "sim_out_tok_s": m["output_tokens_per_s"]}  # fmt: skip
 
 
-def compare_argv(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, out: Path) -> list[str]:
+def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, root: Path,
+            kill_router: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """One compare_routers run at I = ``ingresses`` (in ``root``): a row per router, with its run's JSON."""
+    from kvroute.benchmarks import compare_routers
     from kvroute.replica.profiles import get_profile
 
+    out = root / f"{cell.scenario}-I{ingresses}{'-kill' if kill_router else ''}"
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": cell.kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": get_profile(args.profile).max_model_len}  # fmt: skip
-    argv = [
-        "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
-        "--routers", ",".join(routers), "--ingresses", str(ingresses), "--emulate", args.profile,
-        "--time-scale", str(args.time_scale), "--engine-kwargs", json.dumps(engine_kwargs), "--request-rate", str(cell.rate),
-        "--dataset-name", SCENARIOS[cell.scenario].dataset, "--workload-kwargs", json.dumps(cell.workload_kwargs),
-        "--scale", str(cell.scale), "--len-scale", str(cell.len_scale), "--seed", str(args.seed), "--out-dir", str(out),
-        "--label", out.name, "--app-name", args.app_name, "--http-port", str(args.http_port), "--disable-tqdm",
-        "--timeout-s", str(args.timeout_s),
-    ]  # fmt: skip
-    return argv + (["--address", args.address] if args.address else [])
-
-
-def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, *extra: str) -> list[dict[str, Any]]:
-    """One compare_routers run at I = ``ingresses``: a row per router, with its run's JSON."""
-    from kvroute.benchmarks import compare_routers
-
-    out = Path(args.out_dir) / f"{cell.scenario}-I{ingresses}{'-kill' if extra else ''}"
-    combined = compare_routers.run(compare_routers.build_parser().parse_args(
-        compare_argv(cell, ingresses, routers, args, out) + list(extra)))  # fmt: skip
+    combined = compare_routers.compare(compare_routers.CompareConfig(
+        workload=cell.workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale,
+                                                request_rate=cell.rate),
+        fleet=fleet_from_args(args, ingresses=ingresses), routers=tuple(routers), engine_kwargs=engine_kwargs,
+        emulate=args.profile, kill_router=kill_router, window_s=args.window_s, out_dir=str(out), label=out.name,
+    ))  # fmt: skip
     rows = []
     for row in combined["rows"]:
         run = json.loads((out / f"{row['run']}.json").read_text())
@@ -182,8 +174,6 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def kill_report(killed: dict[str, Any], undisturbed: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The kill run against the same cell undisturbed: the same requests' hit rates."""
-    from kvroute.benchmarks.compare_routers import window_hit_rate
-
     run = json.loads(Path(killed["run_json"]).read_text())
     ids = run.get("after_event_request_ids", [])
     report = {"scenario": killed["scenario"], "ingresses": killed["ingresses"], "killed_routers": run.get("killed_routers"),
@@ -212,52 +202,39 @@ def write(out: Path, rows: list[dict[str, Any]], kill: Optional[dict[str, Any]],
     return tg
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.ingress_matrix", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
+    f = options.add_fleet(p, replicas=16, cpus_per_replica=0.05, app_name="kvroute-ingress", time_scale=80.0)
+    f.add_argument("--profile", default="gpu_h100_llama3_8b", help="the step profile the replicas emulate")
+    options.add_trace(p, scale=0.25)
     p.add_argument("--ingresses", default="8,1,4,2", help="the I to run, in this order")
     p.add_argument("--scenarios", default="b2b,zipf,multi-tenant")
     p.add_argument("--load", type=float, default=0.85, help="a fraction of the scenario's estimated capacity")
     p.add_argument("--routers", default=",".join(SIM_VARIANT))
-    p.add_argument("--replicas", type=int, default=16)
-    p.add_argument("--profile", default="gpu_h100_llama3_8b")
-    p.add_argument("--time-scale", type=float, default=80.0)
-    p.add_argument("--scale", type=float, default=0.25, help="multiplies the groups / tenants / requests")
-    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length")
     p.add_argument("--sizes", default="", metavar="SCENARIO=SCALE:LEN_SCALE,...", help="per scenario --scale and --len-scale")
     p.add_argument("--output-len", type=int, default=32, help="every answer's length (0: the scenario's own)")
     p.add_argument("--kill-router", default=None, metavar="SCENARIO:I", help="a kvroute run at that cell loses a router mid-run")
     p.add_argument("--window-s", type=float, default=60.0, help="the kill run's hit-rate window after the kill (unscaled s)")
     p.add_argument("--peer-delay", type=float, default=0.002, help="the simulator's lag between kvroute's routers (s)")
     p.add_argument("--router-decision-s", type=float, default=0.0005, help="the simulator's time per decision per router (s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-cpus-per-replica", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=900.0)
-    p.add_argument("--app-name", default="kvroute-ingress")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--address", default=None)
-    p.add_argument("--out-dir", default=str(Path(os.environ.get("KVROUTE_RESULTS", "results")) / "ingress_matrix"))
-    return p
+    options.add_output(p, "ingress_matrix", folder=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    scenarios = [s for s in args.scenarios.split(",") if s]
-    routers = [r for r in args.routers.split(",") if r]
+def run(args: argparse.Namespace) -> int:
+    scenarios, routers = options.csv(args.scenarios), options.csv(args.routers)
     bad = [s for s in scenarios if s not in SCENARIOS] + [r for r in routers if r not in SIM_VARIANT]
     if bad:
-        print(f"error: unknown scenarios or routers {bad}", file=sys.stderr)
-        return 2
-    t0, out = time.perf_counter(), Path(args.out_dir)
+        raise ValueError(f"unknown scenarios or routers {bad}")
+    t0, out = time.perf_counter(), options.result_folder("ingress_matrix", args.out_dir)
     cells = {name: make_cell(name, args) for name in scenarios}
     rows: list[dict[str, Any]] = []
     kill, tg = None, []
     for i in (int(x) for x in args.ingresses.split(",")):
         for cell in cells.values():
             here = [r for r in routers if not (i == 1 and r == "kvroute_1router")]  # the same as kvroute at I = 1
-            rows += [{**r, **simulate(cell, i, r["router"], args)} for r in measure(cell, i, here, args)]
+            rows += [{**r, **simulate(cell, i, r["router"], args)} for r in measure(cell, i, here, args, out)]
             if args.kill_router == f"{cell.scenario}:{i}":
-                killed = measure(cell, i, ["kvroute"], args, "--kill-router", "--window-s", str(args.window_s))[0]
+                killed = measure(cell, i, ["kvroute"], args, out, kill_router=True)[0]
                 same = next((r for r in rows if (r["scenario"], r["ingresses"], r["router"]) == (cell.scenario, i, "kvroute")), None)
                 kill = kill_report(killed, same)
             tg = write(out, rows, kill, args, t0)
@@ -269,4 +246,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvroute.benchmarks import options
+
 HEADS = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
 
 
@@ -158,11 +160,12 @@ def bench_norm_rope(bw: float) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    options.add_output(ap, "kernels")
+
+
+def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kvroute.benchmarks.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     from kvroute.benchmarks.common import write_result
@@ -181,7 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         f"kv store 2k {store[0]['triton_us']:.1f} us ({store[0]['reference_us'] / store[0]['triton_us']:.2f}x faster than torch)"
     )
     write_result("kernels", result, summary, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

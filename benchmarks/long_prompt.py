@@ -24,6 +24,7 @@ import httpx
 
 from kvroute.benchmarks.common import write_result
 from kvroute.benchmarks.soak import start_service, stop_service
+from kvroute.benchmarks import options
 
 MODEL = "smollm2-135m-instruct"
 
@@ -62,7 +63,7 @@ async def _shorts_until(
     return results
 
 
-async def run(
+async def measure(
     url: str, long_messages: int, concurrency: int, delay_s: float, limit_s: float, background: tuple[int, int] = (0, 0)
 ) -> dict[str, Any]:
     messages = [{"role": ("user", "assistant")[i % 2], "content": "ok"} for i in range(long_messages)]
@@ -101,8 +102,7 @@ def _pct(values: list[float], q: float) -> Optional[float]:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="a running service (default: start `kvroute serve`)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--dtype", default="float32")
@@ -116,8 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--time-scale", type=float, default=None, help="with --emulate: stretch every step by this")
     p.add_argument("--step-target-s", type=float, default=None, help="the engines' step target (0: tokens only)")
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. the commit measured)")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    options.add_output(p, "long_prompt")
+
+
+def run(args: argparse.Namespace) -> int:
     proc = None
     url = args.url
     if url is None:
@@ -128,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         proc, url = start_service(serve_args)
     try:
         background = (args.background_tokens, args.background_concurrency)
-        result = asyncio.run(run(url, args.long_messages, args.concurrency, args.delay_s, args.limit_s, background))
+        result = asyncio.run(measure(url, args.long_messages, args.concurrency, args.delay_s, args.limit_s, background))
     finally:
         if proc is not None:
             stop_service(proc)
@@ -143,4 +145,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

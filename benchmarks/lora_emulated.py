@@ -1,7 +1,7 @@
 """The LoRA fleet measured on emulated replicas (``lora_fleet --emulate PROFILE``): the
 routers in front of real replicas that emulate the profile's steps and adapter slot loads.
 
-    python -m kvroute.benchmarks.lora_fleet --emulate gpu_h100_llama3_8b --time-scale 10
+    kvroute bench lora_fleet --emulate gpu_h100_llama3_8b --time-scale 10
         [--replicas 16] [--adapters 64] [--max-loras 8] [--load 0.85]
         [--routers kvroute,power_of_two,prefix_affinity_ray,vllm_router] [--model PATH]
 
@@ -32,10 +32,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvroute.benchmarks.fleets import external_available
+from kvroute.benchmarks.fleets import external_available, fleet_from_args
+from kvroute.benchmarks.lora_report import compare
+from kvroute.benchmarks.serving_config import quiet_load
 from kvroute.benchmarks.sim.simulator import SimConfig, estimate_capacity
 from kvroute.benchmarks.workloads import lora_zipf
-from kvroute.replica.lora_config import CONFIG_FILE, MODULES
+from kvroute.replica.lora.peft import CONFIG_FILE, MODULES
 from kvroute.replica.profiles import get_profile
 
 BLOCK_SIZE = 16
@@ -61,25 +63,6 @@ def write_adapters(folder: Path, num_adapters: int, rank: int) -> dict[str, str]
     return out
 
 
-def compare_argv(args: argparse.Namespace, rate: float, kv_blocks: int, modules: dict[str, str], out_dir: Path) -> list[str]:
-    """compare_routers' command line for this run."""
-    profile = get_profile(args.emulate)
-    engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
-                     "max_model_len": profile.max_model_len, "enable_lora": True, "max_loras": args.max_loras,
-                     "max_lora_rank": args.lora_rank, "lora_modules": modules}  # fmt: skip
-    workload = {"num_adapters": args.adapters, "num_requests": args.requests, "system_prompt_len": args.system_prompt_len,
-                "question_len": args.question_len, "output_len": args.output_len, "s": args.zipf}  # fmt: skip
-    argv = [
-        "--model", args.model, "--replicas", str(args.replicas), "--num-cpus-per-replica", str(args.num_cpus_per_replica),
-        "--routers", ",".join(args.routers or default_routers()), "--emulate", args.emulate,
-        "--time-scale", str(args.time_scale), "--engine-kwargs", json.dumps(engine_kwargs), "--request-rates", str(rate),
-        "--dataset-name", "lora-zipf", "--workload-kwargs", json.dumps(workload), "--seed", str(args.seed),
-        "--out-dir", str(out_dir), "--label", "lora-zipf", "--app-name", args.app_name, "--http-port", str(args.http_port),
-        "--timeout-s", str(args.timeout_s), "--disable-tqdm",
-    ]  # fmt: skip
-    return argv + (["--address", args.address] if args.address else [])
-
-
 def router_result(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """One router's figures: its table row and its run's per-replica counters."""
     loads = sum(c.get("adapter_loads", 0.0) for c in run.get("per_replica", {}).values())
@@ -91,9 +74,10 @@ def router_result(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """``lora_fleet --emulate``: every router on the emulated fleet; compare_routers'
+    outputs go to ``out_dir`` (beside the JSON), with the adapters' folders."""
     from kvroute.benchmarks import compare_routers
-    from kvroute.benchmarks.lora_fleet import compare
 
     profile = get_profile(args.emulate)
     workload = lora_zipf(args.adapters, args.requests, args.system_prompt_len, args.question_len, args.output_len,
@@ -104,9 +88,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        max_num_batched_tokens=MAX_BATCHED_TOKENS, max_loras=args.max_loras, lora_rank=args.lora_rank)  # fmt: skip
     capacity = estimate_capacity(workload, profile, config)
     rate = round(args.load * capacity["capacity_rps"], 4)
-    out_dir = Path(args.out).with_suffix("")
     modules = write_adapters(out_dir / "adapters", args.adapters, args.lora_rank)
-    combined = compare_routers.run(compare_routers.build_parser().parse_args(compare_argv(args, rate, kv_blocks, modules, out_dir)))
+    engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                     "max_model_len": profile.max_model_len, "enable_lora": True, "max_loras": args.max_loras,
+                     "max_lora_rank": args.lora_rank, "lora_modules": modules}  # fmt: skip
+    combined = compare_routers.compare(compare_routers.CompareConfig(
+        workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale),
+        fleet=fleet_from_args(args, model=args.model), request_rates=(rate,), routers=tuple(args.routers or default_routers()),
+        engine_kwargs=engine_kwargs, emulate=args.emulate, out_dir=str(out_dir), label="lora-zipf",
+    ))  # fmt: skip
     results = {row["router"]: router_result(row, json.loads((out_dir / f"{row['run']}.json").read_text()))
                for row in combined["rows"]}  # fmt: skip
     return {

@@ -1,10 +1,10 @@
 """Many LoRA adapters on one fleet, in the simulator: kvroute against the peers' rules.
 
-    python -m kvroute.benchmarks.lora_fleet [--replicas 16] [--adapters 64] [--zipf 1.1]
+    kvroute bench lora_fleet [--replicas 16] [--adapters 64] [--zipf 1.1]
         [--max-loras 8] [--load 0.85] [--requests 4096] [--hardware gpu] [--seed 0]
         [--policies kvroute,power_of_two,prefix_affinity_ray,cache_aware_vllm]
         [--out results/lora_fleet.json]
-    python -m kvroute.benchmarks.lora_fleet --emulate PROFILE --time-scale K ...   (measured: benchmarks/lora_emulated.py)
+    kvroute bench lora_fleet --emulate PROFILE --time-scale K ...   (measured: benchmarks/lora_emulated.py)
 
 Workload (``lora_zipf``): ``--adapters`` adapters with Zipf(``--zipf``) popularity,
 each with its own system prompt (``--system-prompt-len`` tokens) that every request of
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from kvroute.benchmarks import lora_emulated, options
 from kvroute.benchmarks import workloads as W
+from kvroute.benchmarks.lora_report import compare, summary_line
 from kvroute.benchmarks.workloads import lora_zipf
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 from kvroute.replica.profiles import get_profile
@@ -49,7 +49,7 @@ def summarize(m: dict[str, Any]) -> dict[str, Any]:
     return {k: m[k] for k in keys}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
     cost = get_profile(HARDWARE.get(args.hardware, args.hardware))
     workload = lora_zipf(args.adapters, args.requests, args.system_prompt_len, args.question_len, args.output_len,
                          args.zipf, seed=args.seed)  # fmt: skip
@@ -69,38 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """kvroute against the best peer present on each figure (ratios < 1: kvroute is lower)."""
-    ours = results.get("kvroute")
-    peers = {p: r for p, r in results.items() if p != "kvroute"}
-    if ours is None or not peers:
-        return {}
-    p90_peer = min(peers, key=lambda p: peers[p]["ttft_p90_s"])
-    loads_peer = min(peers, key=lambda p: peers[p]["adapter_loads_per_1k"])
-    return {
-        "best_p90_peer": p90_peer,
-        "p90_ratio": ours["ttft_p90_s"] / peers[p90_peer]["ttft_p90_s"],
-        "best_loads_peer": loads_peer,
-        "loads_ratio": ours["adapter_loads_per_1k"] / max(peers[loads_peer]["adapter_loads_per_1k"], 1e-9),
-    }
-
-
-def summary_line(out: dict[str, Any]) -> str:
-    c, res = out["comparison"], out["results"]
-    parts = [f"{p}: loads/1k {r['adapter_loads_per_1k']:.1f} hit {r['hit_rate']:.3f} p50 {1e3 * r['ttft_p50_s']:.0f} "
-             f"p90 {1e3 * r['ttft_p90_s']:.0f} ms {r['output_tokens_per_s']:.0f} tok/s"
-             + (f" {r['errors']} errors" if "errors" in r else "") for p, r in res.items()]  # fmt: skip
-    cfg = out["config"]
-    how = "simulated" if out["simulated"] else f"emulated x{out['time_scale']:g}"
-    head = (f"lora_fleet ({how}, {out['profile']}): {cfg['replicas']} replicas, {cfg['adapters']} adapters "
-            f"zipf {cfg['zipf']}, max_loras {cfg['max_loras']}, {cfg['load']} load ({out['rate_rps']:.1f} req/s)")  # fmt: skip
-    tail = (f"; kvroute/best peer: p90 {c['p90_ratio']:.3g}x ({c['best_p90_peer']}), loads {c['loads_ratio']:.3g}x "
-            f"({c['best_loads_peer']})") if c else ""  # fmt: skip
-    return head + " | " + "; ".join(parts) + tail
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.lora_fleet", description=__doc__.split("\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--adapters", type=int, default=64)
     p.add_argument("--zipf", type=float, default=1.1)
@@ -113,13 +82,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--kv-blocks", type=int, default=0, help="per replica (default: the profile's)")
     p.add_argument("--hardware", default="gpu", help="gpu, cpu or a step profile's name")
-    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["kvroute", *PEERS])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/lora_fleet.json")
+    p.add_argument("--policies", type=options.csv, default=["kvroute", *PEERS])
+    options.add_seed(p)
+    options.add_output(p, "lora_fleet")
     e = p.add_argument_group("measured on emulated replicas (benchmarks/lora_emulated.py)")
     e.add_argument("--emulate", default=None, metavar="PROFILE", help="run the routers on replicas emulating this profile")
     e.add_argument("--time-scale", type=float, default=1.0, help="the emulated steps take K times the profile's time")
-    e.add_argument("--routers", type=lambda s: [x for x in s.split(",") if x], default=None,
+    e.add_argument("--routers", type=options.csv, default=None,
                    help="compare_routers' router names (default: kvroute, power_of_two, prefix_affinity_ray, vllm_router)")
     e.add_argument("--model", default="smollm2-135m-instruct", help="the replicas' model folder (config and tokenizer)")
     e.add_argument("--num-cpus-per-replica", type=float, default=0.05)
@@ -127,30 +96,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     e.add_argument("--http-port", type=int, default=8000)
     e.add_argument("--timeout-s", type=float, default=1800.0)
     e.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start one)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.adapters < 1 or args.max_loras < 1 or args.requests < 1 or not args.load > 0:
-        p.error("--replicas, --adapters, --max-loras and --requests must be >= 1 and --load > 0")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.emulate:
-            from kvroute.benchmarks import lora_emulated
-
-            out = lora_emulated.run(args)
-        else:
-            out = run(args)
-    except ValueError as exc:
-        print(f"lora_fleet: error: {exc}", file=sys.stderr)
-        return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+        raise ValueError("--replicas, --adapters, --max-loras and --requests must be >= 1 and --load > 0")
+    path = options.result_file("lora_fleet", args.out)
+    out = lora_emulated.measure(args, path.with_suffix("")) if args.emulate else simulate(args)
+    path.write_text(json.dumps(out, indent=2))
     print(summary_line(out))
     # a peer's errors are a measured outcome (replicas it overloaded); kvroute's mean something went wrong
     return 0 if not out["results"].get("kvroute", {}).get("errors") else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

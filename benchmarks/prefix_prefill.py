@@ -14,18 +14,20 @@ import time
 from kvroute.benchmarks.common import write_result
 from kvroute.replica.llm import LLM
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.benchmarks import options
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=1025)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    options.add_seed(ap)
+    options.add_output(ap, "prefix_prefill")
+
+
+def run(args: argparse.Namespace) -> int:
 
     bs = args.block_size
     blocks_per_prompt = -(-(args.prompt_len + 1) // bs)
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         f"cached-pass max batch {cached['max_batch_size']}/{args.num_prompts}",
         args.out,
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -1,6 +1,6 @@
 """One router actor's CPU, replayed without Ray (issue 30): where it goes, per call kind.
 
-    python -m kvroute.benchmarks.router_cpu [--replicas 16] [--routers 8] [--block-size 16]
+    kvroute bench router_cpu [--replicas 16] [--routers 8] [--block-size 16]
         [--seconds 20] [--rate 150] [--profile] [--baseline REF] [--rounds 3] [--out PATH]
 
 A deterministic replay of what ONE of ``--routers`` router actors receives on a
@@ -60,7 +60,6 @@ import os
 import pstats
 import random
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -68,7 +67,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
-from kvroute.benchmarks.baseline import alternate
+from kvroute.benchmarks.baseline import alternate, child_run
 
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import PEER_FLUSH_S, RouterService
@@ -76,6 +75,7 @@ from kvroute.replica.block_hash import HashSpec
 from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.router import router as router_module
 from kvroute.router.router import Router
+from kvroute.benchmarks import options
 
 STEP_S = 0.025  # one engine step
 PREFILL_TOKENS = 512  # prefill tokens per step (about 20k tokens/s)
@@ -155,84 +155,97 @@ def _workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
     return out
 
 
-def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -> dict[str, Any]:
-    """Drive one router through the emulated run; CPU ns per call, by kind."""
-    now = [0.0]
-    clock = lambda: now[0]  # noqa: E731
-    # tickets follow the wall clock (``Router.route``): on the virtual one, the replay is exact
-    router_module.time = types.SimpleNamespace(time_ns=lambda: 1_700_000_000_000_000_000 + int(now[0] * 1e9))
-    spec = HashSpec(block_size=args.block_size, seed=0, model_id="emulated")
-    svc = RouterService(spec, clock=clock, share=lambda batch: None)
-    shadow = Router("kvroute", args.block_size, clock=clock)
-    reps = {f"r{i:03d}": _Replica(f"r{i:03d}", args.block_size) for i in range(args.replicas)}
-    for rid in reps:
-        svc.register(rid, spec, CAPACITY, [], 0, None)
-        shadow.add_replica(rid, CAPACITY)
-    cands = list(reps)
-    workload = _workload(args)
-    gc.collect()
-    gc.freeze()  # the driver's own objects (the workload): a full collection in a router walks only the router's
-    cost: dict[str, list[int]] = {k: [] for k in KINDS}
-    peer_decisions = 0
-    cpu = time.thread_time_ns
-    outbox: dict[int, list] = {}  # peer -> (window end, decisions)
-    steps = [(i * STEP_S / args.replicas, rid) for i, rid in enumerate(reps)]
+class _Replay:
+    """One router (a ``RouterService``) driven through the emulated run on a virtual
+    clock, with a shadow ``Router`` standing in for the other routers; CPU ns per call."""
 
-    def timed(kind: str, fn: Any, *a: Any) -> Any:
-        if profiler is not None:
-            profiler.enable()
-        c = cpu()
+    def __init__(self, args: argparse.Namespace, profiler: cProfile.Profile | None) -> None:
+        self.args, self.profiler = args, profiler
+        self.now = 0.0
+        clock = lambda: self.now  # noqa: E731
+        # tickets follow the wall clock (``Router.route``): on the virtual one, the replay is exact
+        router_module.time = types.SimpleNamespace(time_ns=lambda: 1_700_000_000_000_000_000 + int(self.now * 1e9))
+        spec = HashSpec(block_size=args.block_size, seed=0, model_id="emulated")
+        self.svc = RouterService(spec, clock=clock, share=lambda batch: None)
+        self.shadow = Router("kvroute", args.block_size, clock=clock)
+        self.reps = {f"r{i:03d}": _Replica(f"r{i:03d}", args.block_size) for i in range(args.replicas)}
+        self.cands = list(self.reps)
+        for rid in self.reps:
+            self.svc.register(rid, spec, CAPACITY, [], 0, None)
+            self.shadow.add_replica(rid, CAPACITY)
+        self.cost: dict[str, list[int]] = {k: [] for k in KINDS}
+        self.peer_decisions = 0
+        self.outbox: dict[int, tuple[float, list]] = {}  # peer -> (window end, decisions)
+        self.steps = [(i * STEP_S / args.replicas, rid) for i, rid in enumerate(self.reps)]
+
+    def timed(self, kind: str, fn: Any, *a: Any) -> Any:
+        if self.profiler is not None:
+            self.profiler.enable()
+        c = time.thread_time_ns()
         out = fn(*a)
-        cost[kind].append(cpu() - c)
-        if profiler is not None:
-            profiler.disable()
+        self.cost[kind].append(time.thread_time_ns() - c)
+        if self.profiler is not None:
+            self.profiler.disable()
         return out
 
-    def deliver(upto: float) -> None:
-        nonlocal peer_decisions
-        for peer, (end, batch) in sorted(outbox.items(), key=lambda kv: kv[1][0]):
+    def deliver(self, upto: float) -> None:
+        for peer, (end, batch) in sorted(self.outbox.items(), key=lambda kv: kv[1][0]):
             if end <= upto:
-                now[0] = end
-                del outbox[peer]
-                timed("peer_batch", svc.note_peer_decisions, batch)
-                peer_decisions += len(batch)
+                self.now = end
+                del self.outbox[peer]
+                self.timed("peer_batch", self.svc.note_peer_decisions, batch)
+                self.peer_decisions += len(batch)
 
-    def step_until(t: float) -> None:
+    def step_until(self, t: float) -> None:
+        steps = self.steps
         while steps[0][0] <= t:
             at, rid = steps[0]
-            deliver(at)
-            now[0] = at
-            rep = reps[rid]
+            self.deliver(at)
+            self.now = at
+            rep = self.reps[rid]
             events = rep.step()
-            shadow.apply(KVEvents(rid, shadow.directory.last_seq(rid) + 1, events.stored, events.removed, False, events.load))
+            self.shadow.apply(KVEvents(rid, self.shadow.directory.last_seq(rid) + 1, events.stored, events.removed, False,
+                                       events.load))  # fmt: skip
             rep.publisher.add(events)
             if rep.publisher.has_changes or at - rep.quiet_since >= 1.0:
                 rep.quiet_since = at
                 batch = rep.publisher.take()
-                timed("event_batch" if batch.stored or batch.removed else "load_report", svc.push, batch)
+                self.timed("event_batch" if batch.stored or batch.removed else "load_report", self.svc.push, batch)
             bisect.insort(steps, (at + STEP_S, rid))
             steps.pop(0)
 
-    for i, (t, hashes, tokens) in enumerate(workload):
-        step_until(t)
-        deliver(t)
-        now[0] = t
-        peer = i % args.routers
+    def arrive(self, i: int, t: float, hashes: Any, tokens: int) -> None:
+        """Request ``i``: this router decides every ``--routers``-th, the shadow the others
+        (their decisions reach this one a flush window later)."""
+        self.step_until(t)
+        self.deliver(t)
+        self.now = t
+        peer = i % self.args.routers
         if peer == 0:
-            decision = timed("decision", svc.rank, hashes, tokens, cands)
+            decision = self.timed("decision", self.svc.rank, hashes, tokens, self.cands)
             rid, ticket = decision.replica_id, decision.ticket
-            shadow.note_routed(rid, hashes, tokens, ticket)
+            self.shadow.note_routed(rid, hashes, tokens, ticket)
         else:
-            d = shadow.route(hashes, tokens)
+            d = self.shadow.route(hashes, tokens)
             rid, ticket = d.replica_id, d.ticket
-            end, batch = outbox.setdefault(peer, (t + PEER_FLUSH_S, []))
+            end, batch = self.outbox.setdefault(peer, (t + PEER_FLUSH_S, []))
             batch.append((rid, list(hashes), tokens, ticket, time.time(), None))
-        reps[rid].accept(hashes, tokens, ticket)
-    step_until(args.seconds)
-    deliver(float("inf"))
+        self.reps[rid].accept(hashes, tokens, ticket)
+
+
+def replay(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Drive one router through the emulated run; CPU ns per call, by kind."""
+    r = _Replay(args, profiler)
+    workload = _workload(args)
+    gc.collect()
+    gc.freeze()  # the driver's own objects (the workload): a full collection in a router walks only the router's
+    for i, (t, hashes, tokens) in enumerate(workload):
+        r.arrive(i, t, hashes, tokens)
+    r.step_until(args.seconds)
+    r.deliver(float("inf"))
     router_module.time = time
-    stats = svc.router.stats()
-    return {"cost_ns": cost, "peer_decisions": peer_decisions, "hit_blocks": stats["block_updates"],
+    stats = r.svc.router.stats()
+    return {"cost_ns": r.cost, "peer_decisions": r.peer_decisions, "hit_blocks": stats["block_updates"],
             "directory_blocks": stats["directory_blocks"], "decisions_by_reason": stats["decisions_by_reason"]}
 
 
@@ -261,20 +274,20 @@ def profile_top(args: argparse.Namespace, n: int = 25) -> str:
     return buf.getvalue()
 
 
-_BOOT = (  # the baseline's tree first, and not the editable install's finder (it would win)
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
-    "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
-    "runpy.run_module('kvroute.benchmarks.router_cpu', run_name='__main__')"
-)
-
-
 def _child(args: argparse.Namespace, tree: str | None) -> dict[str, Any]:
-    boot = ["-c", _BOOT, tree] if tree else ["-m", "kvroute.benchmarks.router_cpu"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts (and GC points) in every run
-    out = subprocess.run([sys.executable, *boot, "--child", *_passthrough(args)], check=True, capture_output=True, text=True, env=env)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = json.loads(child_run("kvroute.benchmarks.router_cpu", _passthrough(args), tree, env))
     r["code"] = r.pop("code_file")
     return r
+
+
+def child(argv: list[str]) -> None:
+    """One side of a ``--baseline`` comparison, in a fresh interpreter (this checkout's
+    code or the baseline's): the replay's summary as one JSON line."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(argv)
+    print(json.dumps({**summarize(replay(args), args.seconds), "code_file": sys.modules[Router.__module__].__file__}))
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
@@ -344,24 +357,21 @@ def ray_call_cpu(calls: int = 2000) -> dict[str, float]:
         ray.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--routers", type=int, default=8, help="router actors sharing the decisions")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0, help="emulated seconds")
     ap.add_argument("--rate", type=float, default=150.0, help="requests/s for 16 replicas (scaled with --replicas)")
-    ap.add_argument("--seed", type=int, default=0)
+    options.add_seed(ap)
     ap.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     ap.add_argument("--baseline", default=None, help="git ref to compare against, side by side")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ray-calls", action="store_true", help="also measure Ray's own CPU per call (starts Ray)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps({**summarize(replay(args), args.seconds), "code_file": sys.modules[Router.__module__].__file__}))
-        return
+    options.add_output(ap, "router_cpu")
+
+
+def run(args: argparse.Namespace) -> int:
     from kvroute.benchmarks.common import write_result
 
     if args.baseline:
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         print(r["table"])
         write_result("router_cpu", {"config": vars(args), **r}, f"router cores after/before "
                      f"{r['after']['router_cores'] / r['before']['router_cores']:.2f}", args.out)  # fmt: skip
-        return
+        return 0
     s = summarize(replay(args), args.seconds)
     if args.profile:
         print(profile_top(args))
@@ -378,7 +388,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(s["ray_call_cpu"]))
     parts = [f"{k} p50 {s[k]['p50_us']:.1f} p99 {s[k]['p99_us']:.1f} us x {s[k]['calls_per_s']:.0f}/s" for k in KINDS if k in s]
     write_result("router_cpu", {"config": vars(args), **s}, "; ".join(parts) + f"; {s['router_cores']:.4f} cores", args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -1,6 +1,8 @@
 """The router comparison's report: one table row per run, the target ratios at each
 rate (kvroute against the best other router and against power of two), ``table.md``,
-``combined.json`` and the plots (``benchmarks/compare_routers.py`` writes them)."""
+``combined.json`` and the plots (``benchmarks/compare_routers.py`` writes them), and the
+figures of one run around its mid-run event: the hit rate in a window after it, the
+requests per ingress."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import serving
 
@@ -102,3 +104,27 @@ def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[
     combined = {"benchmark": "compare_routers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "rows": rows, "targets": targets}
     (out_dir / "combined.json").write_text(json.dumps(combined, indent=1))
     return combined
+
+
+def after_event(r: dict[str, Any], event_s: float, window_s: float) -> dict[str, Any]:
+    """The completed requests that started within ``window_s`` after the event: their
+    ids and prefix-cache hit rate (the same ids' rate in an undisturbed run compares)."""
+    picked = [i for i, (t, err) in enumerate(zip(r["start_times"], r["errors"])) if not err and event_s <= t < event_s + window_s]
+    return {"after_event_request_ids": [r["request_ids"][i] for i in picked],
+            "after_event_hit_rate": window_hit_rate(r, [r["request_ids"][i] for i in picked])}  # fmt: skip
+
+
+def window_hit_rate(r: dict[str, Any], request_ids: Sequence[str]) -> Optional[float]:
+    """Cached / prompt tokens over ``request_ids`` of run ``r`` (None: no prompt tokens)."""
+    at = {rid: i for i, rid in enumerate(r["request_ids"])}
+    idx = [at[rid] for rid in request_ids if rid in at and not r["errors"][at[rid]]]
+    prompt = sum(r["input_lens"][i] for i in idx)
+    return sum(r["cached_lens"][i] or 0 for i in idx) / prompt if prompt else None
+
+
+def per_ingress(r: dict[str, Any], ingresses: int) -> list[int]:
+    """Completed requests per ingress (the client's side of the spread)."""
+    counts = [0] * ingresses
+    for i, err in zip(r["ingresses"], r["errors"]):
+        counts[i] += not err
+    return counts

@@ -1,6 +1,6 @@
 """Routers at many ingresses, simulated: the curve past what 2 cores emulate (issue 30).
 
-    python -m kvroute.benchmarks.router_scale [--ingresses 1,2,4,8,16,32,64] [--replicas 16]
+    kvroute bench router_scale [--ingresses 1,2,4,8,16,32,64] [--replicas 16]
         [--scenarios b2b,zipf,multi-tenant] [--loads 0.85,0.95] [--peer-delay 0.002]
         [--router-decision-s 0.0005] [--profile gpu_h100_llama3_8b] [--scale 1.0] [--len-scale 1.0]
         [--output-len 0] [--out-dir results/router_scale]
@@ -37,9 +37,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any, Optional
 
+from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.common import write_result
 from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
@@ -126,8 +126,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingresses", default="1,2,4,8,16,32,64")
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--scenarios", default="b2b,zipf,multi-tenant")
@@ -137,19 +136,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--router-decision-s", type=float, default=0.0005,
                    help="a router's time per decision, every router's (kvroute's: ~75 us of its code + ~450 us of Ray's call)")
     p.add_argument("--profile", default="gpu_h100_llama3_8b")
-    p.add_argument("--scale", type=float, default=1.0, help="workload size (requests, groups)")
-    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length")
+    options.add_trace(p)
     p.add_argument("--output-len", type=int, default=0, help="every answer's length (0: the scenario's own)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="results/router_scale")
-    args = p.parse_args(argv)
-    for v in args.variants.split(","):
+    options.add_output(p, "router_scale", folder=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    for v in options.csv(args.variants):
         if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; one of {sorted(VARIANTS)}")
-    rows = [row for name in args.scenarios.split(",") for row in run_scenario(name, args)]
+            raise ValueError(f"unknown variant {v!r}; one of {sorted(VARIANTS)}")
+    rows = [row for name in options.csv(args.scenarios) for row in run_scenario(name, args)]
     checks = targets(rows)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = options.result_folder("router_scale", args.out_dir)
     (out / "table.md").write_text(markdown_table(rows, ROW_COLS) + "\n\n" + markdown_table(checks, TARGET_COLS) + "\n")
     widest = max((c for c in checks if c["ingresses"] == max(int(x) for x in args.ingresses.split(","))), default=None,
                  key=lambda c: c["p90_vs_I1"])  # fmt: skip
@@ -162,4 +160,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

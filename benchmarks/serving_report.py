@@ -4,16 +4,12 @@ line, and the best hit rate any router could reach on a workload."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvroute.benchmarks import workloads as wl
-
-if TYPE_CHECKING:
-    from kvroute.benchmarks.serving import RequestOutcome
-
-DEFAULT_PERCENTILES = (90.0, 99.0)
+from kvroute.benchmarks.serving_config import DEFAULT_PERCENTILES, RequestOutcome
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 

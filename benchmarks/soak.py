@@ -14,7 +14,7 @@ connection error, an error event inside a 200 stream) is unexpected.
 Per minute it reports requests by status, TTFT p50/p99 of streams, e2e p99, and from the
 service's ``/metrics`` every replica's KV usage and every process's RSS (replicas, router
 actor, HTTP ingress). At the end it waits for the service to go idle (no request
-running, no KV block in use). One summary line; JSON in ``results/soak/soak.json``.
+running, no KV block in use). One summary line; JSON in ``results/soak.json``.
 Exit status 0 when nothing was unexpected and the service went idle.
 """
 
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import httpx
+
+from kvroute.benchmarks import options
 
 WORDS = "the archive keeps every record of the river city and its bridges ledgers maps letters".split()
 SYSTEM = "You are the archivist of the river city. Answer from the ledgers, briefly and exactly. " * 4
@@ -328,8 +330,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.soak", description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--url", default=None, help="a running service (default: start `kvroute serve`)")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -338,15 +339,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-body-bytes", type=int, default=65536, help="the started service's limit (and the over-limit body's size)")
-    p.add_argument("--seed", type=int, default=0)
+    options.add_seed(p)
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON path (default: results/soak/soak.json)")
-    args = p.parse_args(argv)
+    options.add_output(p, "soak")
+
+
+def run(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.concurrency < 1:
-        p.error("--minutes must be > 0 and --concurrency >= 1")
+        raise ValueError("--minutes must be > 0 and --concurrency >= 1")
     proc, url = (None, args.url) if args.url else start_service(args)
     try:
         print(f"soak: {args.minutes} min against {url}, {args.concurrency} workers", flush=True)
@@ -356,8 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             stop_service(proc)
     summary = summarize(result)
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"url": url}
-    out = Path(args.out) if args.out else Path(os.environ.get("KVROUTE_RESULTS", "results")) / "soak" / "soak.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = options.result_file("soak", args.out)
     out.write_text(json.dumps({"benchmark": "soak", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, **summary}, indent=2))
     first, last = summary["windows"][0]["rss_mib"], summary["windows"][-1]["rss_mib"]
     replicas = [k for k in sorted(first) if k.startswith("replica") and k in last]
@@ -373,4 +375,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

@@ -28,15 +28,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
 from kvroute.benchmarks import serving
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.common import write_result
-from kvroute.benchmarks.fleets import EXTERNAL_ROUTERS, _free_port, _wait_http, router_counters
+from kvroute.benchmarks.fleet_probes import free_port, router_counters, wait_http
+from kvroute.benchmarks.fleets import EXTERNAL_ROUTERS
 from kvroute.benchmarks.vllm_workers import BLOCK_SIZE, free_ports, vllm_worker
+from kvroute.benchmarks import options
 
 SERVED = "smollm2"
 TRACES = {
@@ -50,7 +52,7 @@ TRACES = {
 @contextlib.contextmanager
 def router(name: str, workers: list[tuple[str, str]], model: Path, log: Path):
     """The router ``name`` in front of ``workers`` ((url, events endpoint)); its base URL."""
-    port = _free_port()
+    port = free_port()
     if name == "kvroute":
         spec = ",".join(f"{u}={e}" for u, e in workers)
         cmd = [str(Path(sys.executable).parent / "kvroute"), "serve", "--workers", spec, "--model", str(model),
@@ -62,7 +64,7 @@ def router(name: str, workers: list[tuple[str, str]], model: Path, log: Path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/v1/models", [proc], 300)
+        wait_http(f"http://127.0.0.1:{port}/v1/models", [proc], 300)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(2)  # SIGINT: kvroute serve tears its application and Ray down
@@ -96,18 +98,19 @@ def run_one(name: str, trace: str, workers: list[tuple[str, str]], model: Path, 
     return row
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--routers", default="kvroute,vllm_router,sglang_router")
     p.add_argument("--traces", default="shared,salted")
     p.add_argument("--num-blocks", type=int, default=24, help="KV blocks of 32 tokens per worker")
     p.add_argument("--request-rate", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    options.add_seed(p)
     p.add_argument("--log-dir", default="results/vllm_fleet")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    options.add_output(p, "vllm_fleet")
+
+
+def run(args: argparse.Namespace) -> int:
     from kvroute.replica.checkpoint import resolve_model
 
     model = resolve_model("smollm2-135m-instruct")
@@ -136,4 +139,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

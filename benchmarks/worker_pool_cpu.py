@@ -2,10 +2,10 @@
 after a change: what parsing a vLLM ``/metrics`` page costs, and what a pool polling
 emulated workers spends in all.
 
-    python -m kvroute.benchmarks.worker_pool_cpu [--baseline REF] [--workers 2,64]
+    kvroute bench worker_pool_cpu [--baseline REF] [--workers 2,64]
         [--seconds 10] [--poll-interval 1.0] [--rounds 1] [--out PATH]
 
-- *parse*: ``deploy/worker_load.py``'s ``parse_load`` on a realistic vLLM page
+- *parse*: ``cluster/worker_load.py``'s ``parse_load`` on a realistic vLLM page
   (``vllm_metrics_page``: vLLM's v1 gauges, counters and per-request histograms with its
   buckets and labels, Python process metrics and the HTTP instrumentator's, grown to
   ``--page-bytes``, 53 KB as a vLLM 0.x worker serves one), CPU µs per call
@@ -39,13 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvroute.benchmarks.baseline import alternate
-
-_BOOT = (
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
-    "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
-    "runpy.run_module('kvroute.benchmarks.worker_pool_cpu', run_name='__main__')"
-)
+from kvroute.benchmarks import options
+from kvroute.benchmarks.baseline import alternate, child_run
 
 # vLLM v1's histograms (vllm/v1/metrics/loggers.py): name -> buckets
 _TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
@@ -160,7 +155,7 @@ def _free_ports(n: int) -> list[int]:
 def measure_pool(n: int, seconds: float, poll_interval_s: float, page_bytes: int) -> dict[str, Any]:
     """This process's CPU while a ``WorkerPool`` polls ``n`` emulated workers (module docstring)."""
     from kvroute.cluster.config import ClusterConfig
-    from kvroute.deploy.worker_pool import WorkerPool
+    from kvroute.cluster.worker_pool import WorkerPool
     from kvroute.replica.config import EngineConfig
 
     ports = _free_ports(n)
@@ -174,7 +169,7 @@ def measure_pool(n: int, seconds: float, poll_interval_s: float, page_bytes: int
         specs = [{"url": f"http://127.0.0.1:{p}"} for p in ports]
 
         async def run() -> dict[str, Any]:
-            logging.getLogger("kvroute.deploy.worker_pool").setLevel(logging.ERROR)  # 64 "taken out" lines at the end
+            logging.getLogger("kvroute.cluster.worker_pool").setLevel(logging.ERROR)  # 64 "taken out" lines at the end
             pool = WorkerPool(config, specs, ["smollm2"], poll_interval_s, routers=[])
             await pool.up_workers()
             deadline = time.monotonic() + 60
@@ -198,7 +193,7 @@ def measure_pool(n: int, seconds: float, poll_interval_s: float, page_bytes: int
 
 
 def measure_parse(page: str, calls: int) -> dict[str, Any]:
-    from kvroute.deploy.worker_load import WorkerRates, parse_load
+    from kvroute.cluster.worker_load import WorkerRates, parse_load
 
     rates, times = WorkerRates(), []
     for i in range(calls):
@@ -209,7 +204,7 @@ def measure_parse(page: str, calls: int) -> dict[str, Any]:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    from kvroute.deploy import worker_load
+    from kvroute.cluster import worker_load
 
     page = vllm_metrics_page(args.page_bytes)
     out = {"parse": measure_parse(page, args.parses), "code_file": worker_load.__file__}
@@ -224,10 +219,15 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def _child(args: argparse.Namespace, tree: str | None) -> dict[str, Any]:
-    boot = ["-c", _BOOT, tree] if tree else ["-m", "kvroute.benchmarks.worker_pool_cpu"]
-    out = subprocess.run([sys.executable, *boot, "--child", *_passthrough(args)], check=True, capture_output=True,
-                         text=True)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(child_run("kvroute.benchmarks.worker_pool_cpu", _passthrough(args), tree))
+
+
+def child(argv: list[str]) -> None:
+    """One side of a ``--baseline`` comparison, in a fresh interpreter (this checkout's
+    code or the baseline's): its figures as one JSON line."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    print(json.dumps(run_all(p.parse_args(argv))))
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,8 +245,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     return {"figures": out, "runs": runs}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 64])
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per pool size")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="the pool's worker_poll_interval_s")
@@ -254,12 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parses", type=int, default=300)
     ap.add_argument("--baseline", default=None, help="git ref to compare against, side by side")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(run_all(args)))
-        return
+    options.add_output(ap, "worker_pool_cpu")
+
+
+def run(args: argparse.Namespace) -> int:
     from kvroute.benchmarks.common import write_result
 
     if args.baseline:
@@ -267,13 +264,16 @@ def main(argv: list[str] | None = None) -> None:
         parts = [f"{k} {v['before']:.3g} -> {v['after']:.3g}" for k, v in r["figures"].items() if "cpu" in k or "parse" in k]
         write_result("worker_pool_cpu", {"config": vars(args), **r}, f"before ({args.baseline}) -> after: "
                      + "; ".join(parts), args.out)  # fmt: skip
-        return
+        return 0
     r = run_all(args)
     parts = [f"parse {r['parse']['parse_us_p50']:.0f} us/page ({r['parse']['page_bytes']} B)"]
     parts += [f"{p['workers']} workers {p['cpu_ms_per_worker_s']:.2f} ms CPU per worker-s ({p['polls_per_worker_s']:.2f} polls/s)"
               for p in r["pool"]]  # fmt: skip
     write_result("worker_pool_cpu", {"config": vars(args), **r}, "; ".join(parts), args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

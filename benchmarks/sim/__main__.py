@@ -1,8 +1,8 @@
 """Compare routing policies on simulated replicas.
 
-    python -m kvroute.benchmarks.sim [--workloads generated-shared-prefix,b2b:len_scale=0.25,zipf]
+    kvroute bench sim [--workloads generated-shared-prefix,b2b:len_scale=0.25,zipf]
         [--replicas 8] [--policies all] [--fractions 0.5,0.7,0.85,0.95 | --rates 10,20]
-        [--scale 1.0] [--len-scale 1.0] [--hardware gpu|cpu|PROFILE] [--seed 0] [--out results/sim]
+        [--scale 1.0] [--len-scale 1.0] [--hardware gpu|cpu|PROFILE] [--seed 0] [--out-dir results/sim]
 
 For each workload: estimate the fleet's capacity from the cost model (see
 ``simulator.estimate_capacity``), then run every policy at each rate (fractions of
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
 from kvroute.replica.profiles import PROFILES, StepProfile, cpu_measured, gpu_h100_llama3_8b
@@ -191,15 +192,13 @@ def plot(res: dict[str, Any], out_dir: Path) -> list[str]:
     return files
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.sim", description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="generated-shared-prefix,b2b,zipf", help=f"comma list of {sorted(W.WORKLOADS)}, each optionally with :scale=X:len_scale=Y")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--policies", default="all", help="comma list, or 'all'")
     p.add_argument("--fractions", default="0.5,0.7,0.85,0.95", help="rates as fractions of the estimated capacity")
     p.add_argument("--rates", default=None, help="explicit request rates (req/s), comma list; overrides --fractions")
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of groups / requests / conversations")
-    p.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (and the KV capacity)")
+    options.add_trace(p)
     p.add_argument("--hardware", choices=sorted(COST_MODELS), default="gpu", help="cost model: gpu (this engine measured on an H100, Llama-3-8B shape), cpu (measured), or a step profile's name")
     p.add_argument("--kv-blocks", type=int, default=0, help="per-replica KV blocks (default: from hardware / workload)")
     p.add_argument("--kv-fraction", type=float, default=0.0, help="size KV so shared prefixes fill this fraction of the fleet (b2b: 0.73)")
@@ -212,14 +211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-routers", type=int, default=1, help="routers taking the arrivals in turn, each fed every replica's events")
     p.add_argument("--peer-delay", type=float, default=0.0,
                    help="seconds before a router's decision reaches the others (< 0: never: independent routers)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/sim", help="output folder")
+    options.add_output(p, "sim", folder=True)
     p.add_argument("-v", "--verbose", action="store_true", help="a line per run on stderr")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     if args.policies == "all":
         try:
             from kvroute.router.policies import policy_names
@@ -230,8 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     cost = COST_MODELS[args.hardware]()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = options.result_folder("sim", args.out_dir)
     t0 = time.perf_counter()
     results, plots, summary = [], [], []
     for name, wargs in parse_workloads(args.workloads, args):
@@ -246,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "benchmark": "sim",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "argv": sys.argv[1:] if argv is None else argv,
+        "args": vars(args),
         "cost_model": cost.as_dict(),
         "replicas": args.replicas,
         "policies": policies,
@@ -261,8 +256,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path.write_text(json.dumps(payload, indent=2))
     print(f"sim: {args.replicas} replicas, {len(policies)} policies, {args.hardware}: {' '.join(summary)} "
           f"in {payload['wall_s']}s  [{path}]")
-    return payload
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))

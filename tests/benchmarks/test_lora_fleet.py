@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kvroute.benchmarks.lora_fleet import lora_zipf, main
+from kvroute.benchmarks.cli import main as bench
+from kvroute.benchmarks.workloads import lora_zipf
 from kvroute.replica.profiles import get_profile
 
 COST = get_profile("gpu_h100_llama3_8b")
@@ -24,7 +25,7 @@ def test_lora_zipf_names_adapters_by_popularity():
 
 def test_benchmark_prints_a_line_and_writes_json(tmp_path, capsys):
     out = tmp_path / "lora.json"
-    assert main(["--replicas", "4", "--adapters", "8", "--max-loras", "2", "--requests", "160", "--system-prompt-len",
+    assert bench(["lora_fleet", "--replicas", "4", "--adapters", "8", "--max-loras", "2", "--requests", "160", "--system-prompt-len",
                  "256", "--question-len", "32", "--output-len", "16", "--out", str(out)]) == 0  # fmt: skip
     line = capsys.readouterr().out.strip().splitlines()
     assert len(line) == 1 and line[0].startswith("lora_fleet (simulated, gpu_h100_llama3_8b): 4 replicas, 8 adapters")
@@ -42,7 +43,7 @@ def test_emulated_fleet_counts_adapter_loads_for_kvroute_and_vllm_router(ray_clu
     pytest.importorskip("vllm_router", reason="pip install -e .[test] installs vllm-router")
     port = ray_cluster.rsplit(":", 1)[1]
     out = tmp_path / "lora.json"
-    rc = main(["--emulate", "gpu_h100_llama3_8b", "--time-scale", "10", "--model", str(tiny_llama_path), "--replicas", "2",
+    rc = bench(["lora_fleet", "--emulate", "gpu_h100_llama3_8b", "--time-scale", "10", "--model", str(tiny_llama_path), "--replicas", "2",
                "--adapters", "4", "--max-loras", "1", "--requests", "24", "--system-prompt-len", "64", "--question-len", "16",
                "--output-len", "4", "--load", "0.5", "--routers", "kvroute,vllm_router", "--app-name", "lorabench",
                "--http-port", port, "--num-cpus-per-replica", "0.5", "--timeout-s", "300", "--out", str(out)])  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("httpx")
 
-from kvroute.benchmarks import compare_routers  # noqa: E402
+from kvroute.benchmarks.cli import main as bench  # noqa: E402
 
 GROUPS, PER_GROUP = 2, 6  # 12 requests, 6 per ingress
 
@@ -31,7 +31,7 @@ def _argv(ray_cluster: str, out, routers: str, *extra: str) -> list[str]:
 
 def test_clients_spread_over_two_ingresses_with_one_or_two_routers(ray_cluster, tmp_path, capsys):
     out = tmp_path / "multi"
-    assert compare_routers.main(_argv(ray_cluster, out, "kvroute,kvroute_1router")) == 0
+    assert bench(["compare_routers", *_argv(ray_cluster, out, "kvroute,kvroute_1router")]) == 0
     assert "2 runs, 0 errors" in capsys.readouterr().out
     combined = json.loads((out / "combined.json").read_text())
     n = GROUPS * PER_GROUP
@@ -57,7 +57,7 @@ def test_clients_spread_over_two_ingresses_with_one_or_two_routers(ray_cluster, 
 def test_a_router_killed_under_two_ingresses_loses_no_request(ray_cluster, tmp_path, capsys):
     out = tmp_path / "kill"
     argv = _argv(ray_cluster, out, "kvroute", "--kill-router", "--event-at", "0.3")
-    assert compare_routers.main(argv) == 0
+    assert bench(["compare_routers", *argv]) == 0
     assert "1 runs, 0 errors" in capsys.readouterr().out
     row = json.loads((out / "combined.json").read_text())["rows"][0]
     run = json.loads((out / f"{row['run']}.json").read_text())

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvroute.benchmarks import offline
+from kvroute.benchmarks.cli import main as bench
 
 
 def test_offline_loras_writes_json(tiny_llama_path: Path, tmp_path: Path, capsys):
     out = tmp_path / "loras.json"
-    offline.main(["--model", str(tiny_llama_path), "--loras", "0", "2", "--num-requests", "6", "--min-input", "8",
+    bench(["offline", "--model", str(tiny_llama_path), "--loras", "0", "2", "--num-requests", "6", "--min-input", "8",
                   "--max-input", "24", "--output-len", "4", "--lora-rank", "4", "--kv-cache-gb", "0.02", "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     assert set(result["loras"]) == {"0", "2"} and result["base"]["output_tokens_per_s"] > 0

@@ -33,14 +33,11 @@ def test_the_baseline_tree_runs_its_own_code():
     repo = Path(router_cpu.__file__).resolve().parents[1]
     if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode:
         raise AssertionError("router_cpu --baseline needs the git checkout it ships in")
-    from kvroute.benchmarks.baseline import baseline_tree
+    from kvroute.benchmarks.baseline import BOOT, baseline_tree
 
     tree = baseline_tree("HEAD", Path(router_cpu.__file__))
     try:
-        boot = router_cpu._BOOT.replace(  # noqa: SLF001
-            "runpy.run_module('kvroute.benchmarks.router_cpu', run_name='__main__')",
-            "import kvroute.router.router as r; print(r.__file__)",
-        )
+        boot = BOOT + "import kvroute.router.router as r; print(r.__file__)"
         out = subprocess.run([sys.executable, "-c", boot, tree], capture_output=True, text=True, check=True).stdout
         assert out.strip() == str(Path(tree) / "kvroute" / "router" / "router.py")
     finally:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
+from kvroute.benchmarks.cli import main as bench
 from kvroute.benchmarks import router_scale
 
 
 def test_a_small_sweep_covers_every_variant_and_reports_the_targets(tmp_path):
-    assert router_scale.main(["--ingresses", "1,4", "--scenarios", "zipf", "--loads", "0.85", "--scale", "0.1",
+    assert bench(["router_scale", "--ingresses", "1,4", "--scenarios", "zipf", "--loads", "0.85", "--scale", "0.1",
                               "--out-dir", str(tmp_path)]) == 0  # fmt: skip
     out = json.loads((tmp_path / "router_scale.json").read_text())
     rows = {(r["ingresses"], r["variant"]): r for r in out["rows"]}
@@ -26,7 +26,5 @@ def test_a_small_sweep_covers_every_variant_and_reports_the_targets(tmp_path):
 
 
 def test_an_unknown_variant_is_refused(capsys):
-    with pytest.raises(SystemExit) as e:
-        router_scale.main(["--variants", "kvroute/2"])
-    assert e.value.code == 2
+    assert bench(["router_scale", "--variants", "kvroute/2"]) == 2
     assert "unknown variant 'kvroute/2'" in capsys.readouterr().err

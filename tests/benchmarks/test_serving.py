@@ -12,6 +12,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
+from kvroute.benchmarks.cli import main as bench  # noqa: E402
 from kvroute.benchmarks import serving  # noqa: E402
 from kvroute.benchmarks import workloads as wl  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
@@ -38,7 +39,7 @@ def server(tiny_llama_path):
 
 def test_cli_run_against_a_local_server(server, tmp_path, capsys):
     out = tmp_path / "gsp.json"
-    rc = serving.main([
+    rc = bench(["serving", 
         "--base-url", server, "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "64",
         "--gsp-question-len", "8", "--gsp-output-len", "6", "--request-rate", "20", "--max-concurrency", "4",

@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from kvroute.benchmarks.cli import main as bench
 from kvroute.benchmarks import workloads as W
 
 pytest.importorskip("kvroute.router.router", reason="router not built yet")
@@ -248,7 +249,7 @@ def test_fleet_matrix_sim_only_fills_every_cell_without_a_cluster(tmp_path, caps
     scenarios, routers, loads = ["gsp", "failure", "scale-out"], ["kvroute", "power_of_two", "vllm_router"], [0.6, 1.2]
     argv = ["--sim-only", "--replicas", "4", "--scenarios", ",".join(scenarios), "--loads", ",".join(map(str, loads)),
             "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", "0.2", "--out-dir", str(tmp_path)]  # fmt: skip
-    assert fleet_matrix.main(argv) == 0
+    assert bench(["fleet_matrix", *argv]) == 0
     assert "fleet_matrix (simulated): 3 scenarios x 3 routers, 18 runs, 0 errors (0 kvroute's)" in capsys.readouterr().out
     matrix = json.loads((tmp_path / "matrix.json").read_text())
     assert matrix["sim_only"] is True

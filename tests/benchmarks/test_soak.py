@@ -11,12 +11,13 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("httpx")
 
+from kvroute.benchmarks.cli import main as bench  # noqa: E402
 from kvroute.benchmarks import soak  # noqa: E402
 
 
 def test_short_soak_against_kvroute_serve(tiny_llama_path, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    rc = soak.main([
+    rc = bench(["soak", 
         "--minutes", "0.4", "--model", str(tiny_llama_path), "--replicas", "2", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--concurrency", "3",
         "--max-tokens", "8", "--out", str(out),

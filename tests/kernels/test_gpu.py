@@ -107,7 +107,7 @@ KINDS = {"llama": dict(tie_word_embeddings=False), "qwen2": dict(tie_word_embedd
 
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
-    from kvroute.benchmarks.gpu_engine import random_checkpoint
+    from kvroute.benchmarks.gpu_shapes import random_checkpoint
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -159,7 +159,7 @@ def test_cuda_graph_decode_equals_eager(tiny_paths):
 def test_decode_graph_logits_equal_eager_bf16(tiny_paths):
     """bf16: a graph-replayed decode step's logits, written into the graphs' shared
     buffer, equal the eager step's."""
-    from kvroute.benchmarks.gpu_engine import _rows
+    from kvroute.benchmarks.gpu_shapes import _rows
 
     llm = LLM(str(tiny_paths["qwen2"]), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=512, max_num_seqs=16)
     runner = llm.engine.runner
