@@ -19,7 +19,7 @@ import copy
 from typing import Any, Optional
 
 from kvroute.deploy.tool_calls import NamedToolChoice, ToolCall, ToolChoice, ToolDefinition
-from kvroute.deploy.tool_json import StreamParser
+from kvroute.deploy.tool_stream import StreamParser
 
 
 def _tool_by_name(tools: list[ToolDefinition], name: str) -> ToolDefinition:
@@ -100,7 +100,7 @@ class ForcedToolParser(StreamParser):
         if self.buf[0] != "[":
             self._revert()
             return True
-        self.raw += "["
+        self.raw.append("[")
         self.buf, self.mode = self.buf[1:], "item"
         return True
 
@@ -110,7 +110,7 @@ class ForcedToolParser(StreamParser):
     def _mode_sep(self) -> bool:
         self._skip_ws()
         if self.buf.startswith(","):
-            self.raw, self.buf, self.mode = ",", self.buf[1:], "item"
+            self.raw, self.buf, self.mode = [","], self.buf[1:], "item"
             return True
         if self.buf:
             self.mode = "end"  # the array's "]", and nothing else, follows

@@ -4,10 +4,9 @@
 which top-level members are complete and where the open one's value started, so a
 call's arguments can be streamed as they are written. ``CallStream`` turns one call
 object into OpenAI's tool-call deltas (the header with id and name first, then
-argument fragments). ``StreamParser`` is the base of the format parsers: text in,
-OpenAI-shaped deltas out; a whole output is parsed by feeding it at once, so a stream
-and a full parse can only differ where a stream has already sent what later proves
-malformed (see ``StreamParser``).
+argument fragments). ``assemble`` folds deltas back into content and calls, as a
+client receiving them would. The format parsers build on ``StreamParser``
+(tool_stream.py).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any, Optional
 
 from kvroute.deploy.tool_calls import ToolCall, new_call_id
 
-_WS = " \t\r\n"
+WS = " \t\r\n"
 
 
 class ObjectScanner:
@@ -25,7 +24,8 @@ class ObjectScanner:
     top-level members' raw spans; ``json.loads`` judges the whole once it closes."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.parts: list[str] = []  # the text so far, in the pieces it came in (no quadratic copying)
+        self.size = 0
         self.depth = 0
         self.closers: list[str] = []  # the brackets open below the top level
         self.in_str = False
@@ -40,12 +40,34 @@ class ObjectScanner:
 
     def feed(self, chunk: str) -> int:
         """Consume characters until the object closes or breaks; returns how many."""
+        base = self.size
+        self.parts.append(chunk)
+        self.size += len(chunk)
         for n, ch in enumerate(chunk):
-            self.text += ch
-            self._step(ch, len(self.text) - 1)
+            self._step(ch, base + n)
             if self.done or self.error:
+                self.parts[-1] = chunk[: n + 1]
+                self.size = base + n + 1
                 return n + 1
         return len(chunk)
+
+    @property
+    def text(self) -> str:
+        """All of it (joined once, then kept joined)."""
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    def tail(self, start: int, end: Optional[int] = None) -> str:
+        """``text[start:end]``, read from the newest pieces back."""
+        pieces, at = [], self.size
+        for part in reversed(self.parts):
+            if at <= start:
+                break
+            pieces.append(part)
+            at -= len(part)
+        joined = "".join(reversed(pieces))
+        return joined[start - at : (None if end is None else end - at)]
 
     def _step(self, ch: str, i: int) -> None:
         if self.in_str:
@@ -57,7 +79,7 @@ class ObjectScanner:
                 self.in_str = False
                 if self.depth == 1 and self.phase == "key":
                     try:
-                        self.open_key = json.loads(self.text[self.key_start : i + 1])
+                        self.open_key = json.loads(self.tail(self.key_start, i + 1))
                     except json.JSONDecodeError:
                         self.error = True
                     self.phase = "colon"
@@ -66,11 +88,11 @@ class ObjectScanner:
             return
         if self.depth > 1:
             self._nested(ch, i)
-        elif self.phase == "scalar" and (ch in _WS or ch in ",}"):
+        elif self.phase == "scalar" and (ch in WS or ch in ",}"):
             self._close_member(i)
-            if ch not in _WS:
+            if ch not in WS:
                 self._top(ch, i)
-        elif ch not in _WS:
+        elif ch not in WS:
             self._top(ch, i)
 
     def _nested(self, ch: str, i: int) -> None:
@@ -98,6 +120,7 @@ class ObjectScanner:
             self.depth, self.done = 0, True
         elif phase == "colon":
             self._expect(ch == ":", "value")
+            self.value_start = -1  # until the value's first character
         elif phase == "value":
             self.value_start = i
             if ch == '"':
@@ -126,15 +149,25 @@ class ObjectScanner:
     def value(self, key: str) -> Any:
         """A complete top-level member's value (None while absent or open)."""
         span = self.members.get(key)
-        return None if span is None else json.loads(self.text[span[0] : span[1]])
+        return None if span is None else json.loads(self.tail(*span))
 
-    def raw_prefix(self, key: str) -> Optional[str]:
-        """The member's raw text so far (complete or open); None before it starts."""
+    def start_of(self, key: str) -> Optional[int]:
+        """Where the member's value begins (None before it does)."""
         span = self.members.get(key)
         if span is not None:
-            return self.text[span[0] : span[1]]
-        if self.open_key == key and self.phase in ("value", "scalar") and len(self.text) > self.value_start:
-            return self.text[self.value_start :]
+            return span[0]
+        if self.open_key == key and self.phase in ("value", "scalar") and self.value_start >= 0:
+            return self.value_start
+        return None
+
+    def member_from(self, key: str, offset: int) -> Optional[str]:
+        """The member's raw text from ``offset`` characters into its value, as far as it
+        has come (to its end once complete); None before it starts."""
+        span = self.members.get(key)
+        if span is not None:
+            return self.tail(span[0] + offset, span[1])
+        if self.open_key == key and self.phase in ("value", "scalar") and self.value_start >= 0:
+            return self.tail(self.value_start + offset)
         return None
 
 
@@ -155,6 +188,7 @@ class CallStream:
         self.sent = 0  # characters of arguments sent
         self.arguments = ""
         self.failed = False
+        self.objects: dict[str, bool] = {}  # whether a member's value is an object
 
     @property
     def done(self) -> bool:
@@ -166,16 +200,28 @@ class CallStream:
         if self.scan.error:
             self.failed = True
             return used, out
+        fresh = False
         if self.name is None:
             name = self.given_name if self.given_name is not None else self._member_name()
-            if name is not None:
-                self.name = name
-                out.append(self._delta({"id": self.id, "type": "function", "function": {"name": name, "arguments": ""}}))
+            fresh = name is not None and self._header_due()
+        if fresh:
+            self.name = name
+            out.append(self._delta({"id": self.id, "type": "function", "function": {"name": name, "arguments": ""}}))
         if self.name is not None:
             out += self._arguments()
         elif self.scan.done:
             self.failed = True  # closed without a usable name
+        if self.failed and fresh:
+            self.name, out = None, []  # nothing of it was sent
         return used, out
+
+    def _header_due(self) -> bool:
+        """Send the header once the call is bound to stand: the arguments have begun as
+        an object (what follows can only break the JSON), or the object closed."""
+        if self.given_name is not None or self.scan.done:
+            return True
+        key = self._arg_key()
+        return key is not None and self._is_object(key)
 
     def _member_name(self) -> Optional[str]:
         try:
@@ -190,19 +236,25 @@ class CallStream:
                 return key
         return None
 
+    def _is_object(self, key: str) -> bool:
+        if key not in self.objects:  # decided by the value's first character, once
+            start = self.scan.start_of(key)
+            if start is None:
+                return False
+            self.objects[key] = self.scan.tail(start, start + 1) == "{"
+        return self.objects[key]
+
     def _arguments(self) -> list[dict[str, Any]]:
         if self.given_name is not None:
-            raw: Optional[str] = self.scan.text
+            new: Optional[str] = self.scan.tail(self.sent)
         else:
             key = self._arg_key()
-            raw = self.scan.raw_prefix(key) if key else None
-            if raw is not None and not raw.startswith("{"):
-                raw = None  # a string-encoded or invalid value: judged when the call closes
+            # a string-encoded or invalid value cannot stream: it is judged when the call closes
+            new = self.scan.member_from(key, self.sent) if key and self._is_object(key) else None
         out = []
-        if raw is not None and len(raw) > self.sent:
-            out.append(self._delta({"function": {"arguments": raw[self.sent :]}}))
-            self.sent = len(raw)
-            self.arguments = raw
+        if new:
+            out.append(self._delta({"function": {"arguments": new}}))
+            self.sent += len(new)
         if self.scan.done:
             out += self._close()
         return out
@@ -214,12 +266,13 @@ class CallStream:
         except json.JSONDecodeError:
             obj = None
         final = self._final_arguments(obj) if isinstance(obj, dict) else None
-        if final is None or (self.sent and final != self.arguments):
+        if final is None:
             self.failed = True
             return []
+        self.arguments = final
         if self.sent:
-            return []
-        self.arguments, self.sent = final, len(final)
+            return []  # it streamed whole
+        self.sent = len(final)
         return [self._delta({"function": {"arguments": final}})]
 
     def _final_arguments(self, obj: dict[str, Any]) -> Optional[str]:
@@ -228,7 +281,7 @@ class CallStream:
         key = self._arg_key()
         value = obj.get(key) if key else {}
         if isinstance(value, dict):
-            return self.arguments if self.sent else json.dumps(value, ensure_ascii=False)
+            return self.scan.tail(*self.scan.members[key]) if key else "{}"
         if isinstance(value, str):
             try:
                 return value if isinstance(json.loads(value), dict) else None
@@ -254,143 +307,3 @@ def assemble(deltas: list[dict[str, Any]]) -> tuple[Optional[str], list[ToolCall
             entry["arguments"] += fn.get("arguments", "")
     text = "".join(content)
     return (text or None), [ToolCall(**calls[i]) for i in sorted(calls)]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could begin ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class StreamParser:
-    """Text in, OpenAI deltas out: ``{"content": ...}`` and ``{"tool_calls": [...]}``.
-
-    Subclasses are state machines: ``mode`` names a ``_mode_<name>`` method that reads
-    ``buf`` and returns whether it made progress. Text around calls is content, less the
-    whitespace that only separates it from a call. A call region that proves malformed
-    goes back out as content, unless (streaming, ``eager``) its header was already sent:
-    then the call keeps the arguments sent so far. ``parse`` reads a whole output with
-    ``eager=False``, so nothing is sent before it is known good.
-    """
-
-    id_style = "openai"
-    needs_special_tokens = False  # whether the format's markers are special tokens the detokenizer must keep
-    start_mode = "text"
-    revert_mode = "text"
-
-    def __init__(self, eager: bool = True) -> None:
-        self.eager = eager
-        self.buf = ""
-        self.mode = self.start_mode
-        self.final = False
-        self.out: list[dict[str, Any]] = []
-        self.pending: list[dict[str, Any]] = []
-        self.call: Optional[CallStream] = None
-        self.raw = ""  # the call region read so far, restored as content if it proves malformed
-        self.count = 0
-        self.after_call = False
-
-    @classmethod
-    def parse(cls, text: str, **kwargs: Any) -> tuple[Optional[str], list[ToolCall]]:
-        """A whole output as ``(content, calls)``; content is None when empty."""
-        parser = cls(eager=False, **kwargs)
-        return assemble(parser.feed(text) + parser.finish())
-
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self.buf += text
-        while getattr(self, "_mode_" + self.mode)():
-            pass
-        out, self.out = self.out, []
-        return out
-
-    def finish(self) -> list[dict[str, Any]]:
-        """Everything held back, at the end of the output."""
-        self.final = True
-        return self.feed("")
-
-    def _mode_text(self) -> bool:  # plain text to the end (formats with no markers after a call)
-        self._content(self.buf)
-        self.buf = ""
-        return False
-
-    def _content(self, text: str) -> None:
-        if self.after_call:
-            text = text.lstrip(_WS)
-        if not text:
-            return
-        self.after_call = False
-        if self.out and "content" in self.out[-1]:
-            self.out[-1]["content"] += text
-        else:
-            self.out.append({"content": text})
-
-    def _text_until(self, marker: str) -> bool:
-        """Send text up to ``marker`` as content, holding back what could begin it and
-        trailing whitespace; True once the marker is consumed."""
-        k = self.buf.find(marker)
-        if k >= 0:
-            head = self.buf[:k].rstrip(_WS)
-            self._content(head)
-            self.raw = self.buf[len(head) : k + len(marker)]
-            self.buf = self.buf[k + len(marker) :]
-            return True
-        if self.final:
-            self._content(self.buf)
-            self.buf = ""
-            return False
-        body = self.buf[: len(self.buf) - _partial_suffix(self.buf, marker)]
-        head = body.rstrip(_WS)
-        self._content(head)
-        self.buf = self.buf[len(head) :]
-        return False
-
-    def _skip_ws(self) -> bool:
-        rest = self.buf.lstrip(_WS)
-        self.raw += self.buf[: len(self.buf) - len(rest)]
-        self.buf = rest
-        return bool(rest)
-
-    def _read_call(self, then: str, **kwargs: Any) -> bool:
-        """Read one call object; on to mode ``then`` once it closes."""
-        if self.call is None:
-            if not self._skip_ws():
-                if self.final:
-                    self._revert()
-                return self.final
-            if self.buf[0] != "{":
-                self._revert()
-                return True
-            self.call = CallStream(self.count, self.id_style, **kwargs)
-        used, deltas = self.call.feed(self.buf)
-        self.raw += self.buf[:used]
-        self.buf = self.buf[used:]
-        (self.out if self.eager else self.pending).extend(deltas)
-        if self.call.done:
-            self._end_call(then)
-        elif self.call.failed or self.final:
-            if self.eager and self.call.name is not None:
-                self._end_call(then)  # already sent: it stands as sent
-            else:
-                self._revert()
-        else:
-            return False
-        return True
-
-    def _end_call(self, then: str) -> None:
-        self.out += self.pending
-        self.pending, self.call, self.raw = [], None, ""
-        self.count += 1
-        self.after_call = True
-        self.mode = then
-
-    def _revert(self) -> None:
-        self.pending, self.call = [], None
-        raw, self.raw = self.raw, ""
-        self._content(raw)
-        self.mode = self.revert_mode

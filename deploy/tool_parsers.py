@@ -21,7 +21,8 @@ import re
 from typing import Optional
 
 from kvroute.deploy.tool_calls import ToolChoice, ToolFields
-from kvroute.deploy.tool_json import _WS, StreamParser
+from kvroute.deploy.tool_json import WS
+from kvroute.deploy.tool_stream import StreamParser
 
 _NAME_RUN = re.compile(r"[A-Za-z0-9_-]*")
 
@@ -39,7 +40,7 @@ class HermesParser(StreamParser):
         return self._read_call("close")
 
     def _mode_close(self) -> bool:
-        self.buf = self.buf.lstrip(_WS)
+        self.buf = self.buf.lstrip(WS)
         if self.buf.startswith(self.END):
             self.buf = self.buf[len(self.END) :]
         elif self.END.startswith(self.buf) and not self.final:
@@ -53,12 +54,12 @@ class Llama3JsonParser(StreamParser):
     start_mode = "start"
 
     def _mode_start(self) -> bool:
-        rest = self.buf.lstrip(_WS)
+        rest = self.buf.lstrip(WS)
         lead = len(self.buf) - len(rest)
         if rest.startswith(self.TAG):
-            self.raw, self.buf = self.buf[: lead + len(self.TAG)], rest[len(self.TAG) :]
+            self.raw, self.buf = [self.buf[: lead + len(self.TAG)]], rest[len(self.TAG) :]
         elif rest.startswith("{"):
-            self.raw, self.buf = self.buf[:lead], rest
+            self.raw, self.buf = [self.buf[:lead]], rest
         elif self.TAG.startswith(rest) and not self.final:
             return False
         else:
@@ -71,9 +72,9 @@ class Llama3JsonParser(StreamParser):
         return self._read_call("sep", arg_keys=("parameters", "arguments"))
 
     def _mode_sep(self) -> bool:
-        self.buf = self.buf.lstrip(_WS)
+        self.buf = self.buf.lstrip(WS)
         if self.buf.startswith(";"):
-            self.raw, self.buf, self.mode = ";", self.buf[1:], "call"
+            self.raw, self.buf, self.mode = [";"], self.buf[1:], "call"
             return True
         if not self.buf:
             return False
@@ -102,7 +103,7 @@ class MistralParser(StreamParser):
                 self._revert()
             return self.final
         if self.buf[0] == "[":
-            self.raw += "["
+            self.raw.append("[")
             self.buf = self.buf[1:]
             self.mode = "item"
         else:
@@ -113,9 +114,9 @@ class MistralParser(StreamParser):
         return self._read_call("sep")
 
     def _mode_sep(self) -> bool:
-        self.buf = self.buf.lstrip(_WS)
+        self.buf = self.buf.lstrip(WS)
         if self.buf.startswith(","):
-            self.raw, self.buf, self.mode = ",", self.buf[1:], "item"
+            self.raw, self.buf, self.mode = [","], self.buf[1:], "item"
         elif self.buf.startswith("]"):
             self.buf, self.mode = self.buf[1:], "text"
         elif not self.buf:
@@ -128,7 +129,7 @@ class MistralParser(StreamParser):
         name = _NAME_RUN.match(self.buf).group(0)
         rest = self.buf[len(name) :]
         if name and rest.startswith(self.ARGS):
-            self.raw += name + self.ARGS
+            self.raw.append(name + self.ARGS)
             self.buf, self.call_name, self.mode = rest[len(self.ARGS) :], name, "args"
         elif self.ARGS.startswith(rest) and not self.final:
             return False
