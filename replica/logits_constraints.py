@@ -125,17 +125,28 @@ class StepMask:
     bias_cols: torch.Tensor
     bias_values: torch.Tensor
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """float32 copy of ``logits`` with the biases added and disallowed tokens ``-inf``."""
-        out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    @torch.inference_mode()  # the model's logits are inference tensors
+    def apply(self, logits: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """float32 ``logits`` with the biases added and disallowed tokens ``-inf``: a copy,
+        or ``logits`` itself when ``inplace`` and already float32. On CUDA the bitmask is
+        applied by the Triton kernel; on CPU by xgrammar's native CPU kernel (the torch
+        reference of ``kernels/token_bitmask.py`` is several times slower)."""
+        out = logits.float()
+        if out.data_ptr() == logits.data_ptr() and not inplace:
+            out = out.clone()
         device = out.device
         if self.bias_rows.numel():
             out.index_put_((self.bias_rows.to(device), self.bias_cols.to(device)), self.bias_values.to(device), accumulate=True)
-        if self.indices.numel():
-            if ops.uses_triton(device):
-                apply_token_bitmask_triton_(out, self.bitmask.to(device, non_blocking=True), self.indices.to(device))
-            else:
-                apply_token_bitmask_reference_(out, self.bitmask, self.indices)
+        if not self.indices.numel():
+            return out
+        if ops.uses_triton(device):
+            apply_token_bitmask_triton_(out, self.bitmask.to(device, non_blocking=True), self.indices.to(device))
+        elif device.type == "cpu" and out.is_contiguous():
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(out, self.bitmask, indices=self.indices.tolist(), backend="cpu")
+        else:
+            apply_token_bitmask_reference_(out, self.bitmask, self.indices)
         return out
 
 
