@@ -264,7 +264,8 @@ class Sampler:
         num_rows = len(rows)
         if num_rows == 0:
             return SamplerOutput([], [])
-        constrained = logits if mask is None else mask.apply(logits)  # float32 copy when masked
+        # masked in place unless a row's logprobs need the raw logits
+        constrained = logits if mask is None else mask.apply(logits, all(r.params.logprobs is None for r in rows))
         if all(_plain_greedy(r) for r in rows):
             # widening is exact and keeps the order, so the argmax of the logits as they
             # are is the argmax in float32 (the first of equal maxima either way)
