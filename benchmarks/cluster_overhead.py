@@ -1,7 +1,7 @@
 """What routing through the router actor costs a request, on a real local Ray cluster.
 
-``python -m kvroute.benchmarks.cluster_overhead [--replicas 8] [--requests 2000]``
-(also as ``ray job submit -- python -m kvroute.benchmarks.cluster_overhead``).
+``kvroute bench cluster_overhead [--replicas 8] [--requests 2000]``
+(also as ``ray job submit -- python -m kvroute.benchmarks cluster_overhead``).
 
 1. **Added latency**: one ``rank`` call to the router actor from a caller process, the
    exact call the kvroute Serve request router makes per request, sequentially

@@ -102,7 +102,8 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
     at half the arrival span ``joining`` replicas join and ``failing`` die and come back
     empty; each replica has a host KV tier of ``host_kv_blocks``."""
-    from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
+    from kvroute.benchmarks.sim.capacity import estimate_capacity
+    from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
 
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
                     max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip

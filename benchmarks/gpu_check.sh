@@ -53,17 +53,17 @@ fi
 [ -n "$base" ] && cp benchmarks/gpu_*.py "$base/benchmarks/"  # the same harness; only the product code differs
 for what in $plan; do
   case $what in
-  restore) step restore 110 $new python3 -m kvroute.benchmarks.gpu_engine --restore --checkpoints $ck --out "$outdir/gpu_restore.json" ;;
-  profile) step profile 80 $new python3 -m kvroute.benchmarks.gpu_profile --batches 1,64 --checkpoints $ck --out "$outdir/gpu_profile.json" ;;
+  restore) step restore 110 $new python3 -m kvroute.benchmarks gpu_engine --restore --checkpoints $ck --out "$outdir/gpu_restore.json" ;;
+  profile) step profile 80 $new python3 -m kvroute.benchmarks gpu_profile --batches 1,64 --checkpoints $ck --out "$outdir/gpu_profile.json" ;;
   profile-base) step profile-base 80 $base_run python3 -m kvroute.benchmarks.gpu_profile --batches 1,64 --checkpoints $ck \
     --out "$outdir/gpu_profile_base.json" ;;
-  sweep) step sweep 150 $new python3 -m kvroute.benchmarks.gpu_profile --batches '' --sweep --out "$outdir/gpu_sweep.json" ;;
+  sweep) step sweep 150 $new python3 -m kvroute.benchmarks gpu_profile --batches '' --sweep --out "$outdir/gpu_sweep.json" ;;
   cost-model)
     restore_json=()
     [ -f "$outdir/gpu_restore.json" ] && restore_json=(--restore-json "$outdir/gpu_restore.json")
-    step cost-model 150 $new python3 -m kvroute.benchmarks.gpu_engine --cost-model --shapes llama-3-8b,llama-3.2-1b,qwen3-0.6b \
+    step cost-model 150 $new python3 -m kvroute.benchmarks gpu_engine --cost-model --shapes llama-3-8b,llama-3.2-1b,qwen3-0.6b \
       "${restore_json[@]}" --checkpoints $ck --out "$outdir/gpu_cost_model.json" ;;
-  engine) step engine 150 $new python3 -m kvroute.benchmarks.gpu_engine --hf-requests 0 --checkpoints $ck --out "$outdir/gpu_engine.json" ;;
+  engine) step engine 150 $new python3 -m kvroute.benchmarks gpu_engine --hf-requests 0 --checkpoints $ck --out "$outdir/gpu_engine.json" ;;
   engine-base) step engine-base 150 $base_run python3 -m kvroute.benchmarks.gpu_engine --hf-requests 0 --checkpoints $ck \
     --out "$outdir/gpu_engine_base.json" ;;
   esac

@@ -78,7 +78,7 @@ class Cell:
 
 
 def make_cell(name: str, args: argparse.Namespace) -> Cell:
-    from kvroute.benchmarks.sim.simulator import estimate_capacity
+    from kvroute.benchmarks.sim.capacity import estimate_capacity
     from kvroute.replica.profiles import get_profile
 
     s = SCENARIOS[name]

@@ -7,7 +7,7 @@
 - KV store: a 2048-token chunk through the Triton per-token store vs the torch reference;
 - fused add+RMSNorm and RoPE: GB/s.
 
-    python -m kvroute.benchmarks.kernels [--quick] [--out FILE]
+    kvroute bench kernels [--quick] [--out FILE]
 """
 
 from __future__ import annotations

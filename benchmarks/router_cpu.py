@@ -30,8 +30,8 @@ prints before/after with the ratios (medians over rounds): both sides in one run
 Measured (issue 30; 2-core shared box, CPU time, medians of 5 alternating rounds, 3 at
 256 replicas; ``--baseline main`` before the router-CPU commits, block size 16):
 
-    python -m kvroute.benchmarks.router_cpu --baseline main --rounds 5 --seconds 10
-    python -m kvroute.benchmarks.router_cpu --baseline main --rounds 3 --seconds 3 --replicas 256
+    kvroute bench router_cpu --baseline main --rounds 5 --seconds 10
+    kvroute bench router_cpu --baseline main --rounds 3 --seconds 3 --replicas 256
 
 | one of 8 routers, µs p50 / p99     | 16 replicas: before | after       | 256 replicas: before | after     |
 |------------------------------------|---------------------|-------------|----------------------|-----------|

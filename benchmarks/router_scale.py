@@ -84,7 +84,8 @@ def run_cell(workload: wl.Workload, profile: Any, cfg: Any, variant: str, ingres
 
 
 def run_scenario(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvroute.benchmarks.sim.simulator import SimConfig, estimate_capacity
+    from kvroute.benchmarks.sim.capacity import estimate_capacity
+    from kvroute.benchmarks.sim.simulator import SimConfig
     from kvroute.replica.profiles import get_profile
 
     profile = get_profile(args.profile)

@@ -20,7 +20,7 @@ and writes JSON with the keys of ``vllm bench serve`` (``duration``, ``completed
 (what one cache seeing every request in arrival order would hit, counted in full
 blocks of ``--block-size``: the ceiling a router can reach).
 
-    python -m kvroute.benchmarks.serving --base-url http://127.0.0.1:8000 \\
+    kvroute bench serving --base-url http://127.0.0.1:8000 \\
         --dataset-name generated-shared-prefix --gsp-num-groups 16 \\
         --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 64 \\
         --gsp-output-len 32 --request-rate 1.5 --max-concurrency 16

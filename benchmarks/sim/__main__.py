@@ -5,7 +5,7 @@
         [--scale 1.0] [--len-scale 1.0] [--hardware gpu|cpu|PROFILE] [--seed 0] [--out-dir results/sim]
 
 For each workload: estimate the fleet's capacity from the cost model (see
-``simulator.estimate_capacity``), then run every policy at each rate (fractions of
+``sim.capacity.estimate_capacity``), then run every policy at each rate (fractions of
 capacity unless ``--rates`` gives requests/s). Writes ``sim.json`` and, when matplotlib
 is installed, ``<workload>_ttft_p90.png`` and ``<workload>_hit_rate.png``; prints one
 summary line.
@@ -24,7 +24,8 @@ from typing import Any
 
 from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as W
-from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity
+from kvroute.benchmarks.sim.capacity import estimate_capacity
+from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
 from kvroute.replica.profiles import PROFILES, StepProfile, cpu_measured, gpu_h100_llama3_8b
 
 # --hardware: "gpu" / "cpu" or any step profile by name (replica/profiles.PROFILES)

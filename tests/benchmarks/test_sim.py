@@ -12,7 +12,8 @@ from kvroute.benchmarks import workloads as W
 pytest.importorskip("kvroute.router.router", reason="router not built yet")
 
 from kvroute.replica.profiles import cpu_measured, gpu_h100_llama3_8b  # noqa: E402
-from kvroute.benchmarks.sim.simulator import SimConfig, Simulation, estimate_capacity  # noqa: E402
+from kvroute.benchmarks.sim.capacity import estimate_capacity  # noqa: E402
+from kvroute.benchmarks.sim.simulator import SimConfig, Simulation  # noqa: E402
 
 CFG = SimConfig(num_replicas=3, kv_blocks=256, block_size=16, max_num_batched_tokens=512, max_num_seqs=32)
 
