@@ -159,7 +159,8 @@ class ToolFields(BaseModel):
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         """The tools as chat templates take them (``apply_chat_template(tools=...)``); none
-        when the choice is ``none`` (vLLM renders them then too only on request; we do not)."""
+        when the choice is ``none``, so a model told not to call tools is shown none
+        (vLLM shows them unless started with --exclude-tools-when-tool-choice-none)."""
         if not self.tools or self.choice() == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
