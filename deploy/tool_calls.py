@@ -15,14 +15,27 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 # OpenAI's rule for function names; templates and parsers can rely on it.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ID_CHARS = string.ascii_letters + string.digits
 _SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _unicode(v: str) -> str:
+    """JSON can spell an unpaired UTF-16 surrogate (``"\\ud800"``), which no tokenizer or
+    UTF-8 encoder takes: refuse it here rather than fail deep in rendering."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains an unpaired UTF-16 surrogate at character {exc.start}; text must be valid Unicode") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 def new_call_id(style: str = "openai") -> str:
@@ -65,7 +78,7 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
-    description: Optional[str] = None
+    description: Optional[Text] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[StrictBool] = None
 
@@ -167,8 +180,8 @@ class ToolFields(BaseModel):
 
 
 class ToolCallFunction(BaseModel):
-    name: str
-    arguments: Optional[Union[str, dict[str, Any]]] = None
+    name: Text
+    arguments: Optional[Union[Text, dict[str, Any]]] = None
 
     def arguments_dict(self) -> dict[str, Any]:
         """The arguments as a dict (chat templates expect one); empty when absent."""
@@ -186,7 +199,7 @@ class ToolCallFunction(BaseModel):
 
 
 class AssistantToolCall(BaseModel):
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
@@ -200,7 +213,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ToolChatMessage(BaseModel):
@@ -210,10 +223,10 @@ class ToolChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
+    content: Optional[Union[Text, list[TextPart]]] = None
+    name: Optional[Text] = None
     tool_calls: Optional[list[AssistantToolCall]] = None
-    tool_call_id: Optional[str] = Field(default=None, min_length=1)
+    tool_call_id: Optional[Text] = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _role_fields(self) -> "ToolChatMessage":

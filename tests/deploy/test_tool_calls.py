@@ -97,6 +97,7 @@ def test_history_converts_for_templates():
     ({"role": "tool", "content": "18 C"}, "tool_call_id: a tool message needs the id"),
     ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls: only assistant messages"),
     ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id: only tool messages"),
+    ({"role": "tool", "tool_call_id": "c", "content": "bad \ud800"}, "(?s)content.*unpaired UTF-16 surrogate"),
 ])  # fmt: skip
 def test_message_errors_name_the_field(message, error):
     with pytest.raises(ValidationError, match=error):
