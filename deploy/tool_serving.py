@@ -103,6 +103,15 @@ class ToolPlan:
             return text, []
         return self.parser.parse(text)
 
+    def message(self, text: str) -> dict[str, Any]:
+        """A whole choice as OpenAI's assistant ``message``: ``content`` (null when only
+        calls came) and ``tool_calls`` when there are any."""
+        content, calls = self.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        return message
+
     def finish_reason(self, engine_reason: Optional[str], called: bool) -> Optional[str]:
         return finish_reason(engine_reason, self.choice, called)
 

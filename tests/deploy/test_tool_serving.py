@@ -48,6 +48,11 @@ def test_plans():
     assert plan.choice == "auto" and plan.tools == [WEATHER, TIME] and plan.structured_output() is None
     assert isinstance(plan.new_parser(), HermesParser) and not plan.keep_special_tokens
     assert plan.finish_reason("stop", True) == "tool_calls"
+    message = plan.message('On it.\n<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>')
+    assert message["role"] == "assistant" and message["content"] == "On it."
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    assert plan.message("It is noon.") == {"role": "assistant", "content": "It is noon."}
     off = plan_tools(ToolServingConfig(), fields)  # no parser: tools neither shown nor parsed
     assert off.choice == "none" and off.tools is None and off.new_parser() is None
     assert off.parse("<tool_call>{}</tool_call>") == ("<tool_call>{}</tool_call>", [])
