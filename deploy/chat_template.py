@@ -24,11 +24,12 @@ _RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_t
 _PROBE_NAME = "kvroute_probe_fn_q7x"
 _PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+# The call id is 9 letters and digits: Mistral's templates reject any other shape.
 _PROBE_CALL = [
     {"role": "user", "content": "probe"},
     {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]},
-    {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_NAME, "content": "probe"},
+        {"id": "probe0001", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]},
+    {"role": "tool", "tool_call_id": "probe0001", "name": _PROBE_NAME, "content": "probe"},
 ]  # fmt: skip
 
 
