@@ -87,8 +87,8 @@ class MistralParser(StreamParser):
     id_style = "mistral"
     needs_special_tokens = True
 
-    def __init__(self, eager: bool = True) -> None:
-        super().__init__(eager)
+    def __init__(self, eager: bool = True, max_calls: Optional[int] = None) -> None:
+        super().__init__(eager, max_calls)
         self.call_name = ""
 
     def _mode_text(self) -> bool:

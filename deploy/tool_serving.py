@@ -71,6 +71,7 @@ class ToolPlan:
     tools: Optional[list[dict[str, Any]]]
     schema: Optional[dict[str, Any]]
     parser: Optional[type[StreamParser]]
+    parallel: bool = True  # false: an auto choice returns its first call only (a forced one is constrained to one)
 
     @property
     def forced(self) -> bool:
@@ -93,7 +94,7 @@ class ToolPlan:
         """A fresh streaming reader for one choice; None: pass the text through as content."""
         if self.forced:
             return ForcedToolParser(tool_choice=self.choice)
-        return self.parser() if self.parser is not None else None
+        return self.parser(max_calls=self._max_calls()) if self.parser is not None else None
 
     def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         """A whole choice's ``(content, tool_calls)``."""
@@ -101,7 +102,10 @@ class ToolPlan:
             return ForcedToolParser.parse(text, tool_choice=self.choice)
         if self.parser is None:
             return text, []
-        return self.parser.parse(text)
+        return self.parser.parse(text, max_calls=self._max_calls())
+
+    def _max_calls(self) -> Optional[int]:
+        return None if self.parallel else 1
 
     def message(self, text: str) -> dict[str, Any]:
         """A whole choice as OpenAI's assistant ``message``: ``content`` (null when only
@@ -123,4 +127,4 @@ def plan_tools(config: ToolServingConfig, fields: ToolFields) -> ToolPlan:
     schema = forced_tool_schema(fields.tools, choice, fields.parallel())
     tools = fields.template_tools() if choice != "none" else None
     parser = get_tool_parser(config.tool_call_parser) if choice == "auto" and config.tool_call_parser else None
-    return ToolPlan(choice, tools, schema, parser)
+    return ToolPlan(choice, tools, schema, parser, fields.parallel())

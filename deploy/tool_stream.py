@@ -33,8 +33,9 @@ class StreamParser:
     start_mode = "text"
     revert_mode = "text"
 
-    def __init__(self, eager: bool = True) -> None:
+    def __init__(self, eager: bool = True, max_calls: Optional[int] = None) -> None:
         self.eager = eager
+        self.max_calls = max_calls  # calls past this many are read but dropped (parallel_tool_calls false)
         self.buf = ""
         self.mode = self.start_mode
         self.final = False
@@ -123,7 +124,8 @@ class StreamParser:
         used, deltas = self.call.feed(self.buf)
         self.raw.append(self.buf[:used])
         self.buf = self.buf[used:]
-        (self.out if self.eager else self.pending).extend(deltas)
+        if self.max_calls is None or self.count < self.max_calls:
+            (self.out if self.eager else self.pending).extend(deltas)
         if self.call.done:
             self._end_call(then)
         elif self.call.failed or self.final:
@@ -138,7 +140,7 @@ class StreamParser:
     def _end_call(self, then: str) -> None:
         self.out += self.pending
         self.pending, self.call, self.raw = [], None, []
-        self.count += 1
+        self.count = self.count + 1 if self.max_calls is None else min(self.count + 1, self.max_calls)
         self.after_call = True
         self.mode = then
 

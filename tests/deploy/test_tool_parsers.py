@@ -181,3 +181,14 @@ def test_long_arguments_stream_in_linear_time():
     deltas += parser.finish()
     assert time.perf_counter() - t0 < 5.0  # quadratic copying took minutes here
     assert assemble(deltas)[1][0].arguments == args
+
+
+def test_max_calls_keeps_the_first_call_only():
+    content, calls = HermesParser.parse(QWEN_TWO_CALLS, max_calls=1)
+    assert content == "I'll look both up." and [c.name for c in calls] == ["get_weather"]
+    parser, deltas = HermesParser(max_calls=1), []
+    for ch in QWEN_TWO_CALLS:
+        deltas += parser.feed(ch)
+    streamed = assemble(deltas + parser.finish())
+    assert streamed[0] == content and [(c.name, c.arguments) for c in streamed[1]] == [(c.name, c.arguments) for c in calls]
+    assert [c.name for c in MistralParser.parse(MISTRAL_ARRAY, max_calls=1)[1]] == ["get_weather"]

@@ -53,6 +53,11 @@ def test_plans():
     [call] = message["tool_calls"]
     assert call["type"] == "function" and call["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
     assert plan.message("It is noon.") == {"role": "assistant", "content": "It is noon."}
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    assert len(plan.parse(two)[1]) == 2
+    single = plan_tools(auto, ToolFields.model_validate({"tools": [WEATHER, TIME], "parallel_tool_calls": False}))
+    assert [c.name for c in single.parse(two)[1]] == ["get_time"]
+    assert single.new_parser().max_calls == 1
     off = plan_tools(ToolServingConfig(), fields)  # no parser: tools neither shown nor parsed
     assert off.choice == "none" and off.tools is None and off.new_parser() is None
     assert off.parse("<tool_call>{}</tool_call>") == ("<tool_call>{}</tool_call>", [])
