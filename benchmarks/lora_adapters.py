@@ -17,8 +17,7 @@ from typing import Sequence
 
 import torch
 
-from kvroute.replica.lora import WEIGHTS_FILE, module_shapes
-from kvroute.replica.lora_config import ATTN_MODULES, CONFIG_FILE, MODULES
+from kvroute.replica.lora.peft import ATTN_MODULES, CONFIG_FILE, MODULES, WEIGHTS_FILE, module_shapes
 from kvroute.replica.models.arch import ModelArch
 
 

@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.lora_registry import ReplicaAdapters, get_or_create_lora_registry
+from kvroute.cluster.lora import ReplicaAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
 from kvroute.cluster.router_actor import get_or_create_router_actors
@@ -196,14 +196,14 @@ class EngineReplica:
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         state = await self.engine.debug_state()
         return {"replica_id": self.replica_id, **state, "publisher_seq": self.links[0].publisher.seq,
-                "loras": self.engine.lora_names(), **self.counters}  # fmt: skip
+                "loras": list(await self.engine.list_loras()), **self.counters}  # fmt: skip
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load an adapter here (the ingress has one replica check a new folder before the
         registry lists it; ValueError naming the file and field when it is bad)."""
         if self.adapters is None:
             raise ValueError("this application runs without LoRA adapters (set enable_lora or lora_config)")
-        await self.adapters.load(name, path)
+        await self.adapters.load_lora(name, path)
 
     async def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
         """Forget every cached block (between benchmark runs, so each starts cold); only

@@ -402,14 +402,12 @@ def kill_router_actors(app_name: str) -> int:
     """Kill every detached actor of application ``app_name``, of every generation
     (routers, worker pool, LoRA registry, and the registry's saved state); how many
     there were."""
-    from kvroute.cluster.lora_registry import delete_state, lora_registry_name
+    from kvroute.cluster.lora import kill_lora_registry
     from kvroute.cluster.saved_state import delete_saved
 
     prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
-    registry = lora_registry_name(ClusterConfig(app_name=app_name))
-    names = _named_actors(lambda n: n.startswith(prefixes) or n == registry)
-    killed = sum(kill_router_actor(n) for n in names)
-    delete_state(registry)
+    names = _named_actors(lambda n: n.startswith(prefixes))
+    killed = sum(kill_router_actor(n) for n in names) + kill_lora_registry(app_name)
     for name in names:  # a pool's saved worker list (deploy/worker_pool.py)
         if name.startswith(prefixes[1]):
             delete_saved(f"worker-pool:{name}")

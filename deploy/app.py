@@ -85,7 +85,7 @@ class LoRAConfigSpec(_Strict):
     """Ray Serve LLM's ``lora_config``: LoRA adapters on every replica (``enable_lora``).
     ``dynamic_lora_loading_path``: a folder present on every node, or an ``s3://`` URI;
     a request naming an adapter X not loaded yet has a replica load ``<path>/X``, resolved
-    on the replica's node (``deploy/fleet_adapters.py``).
+    on the replica's node (``cluster/lora.py``).
     ``max_num_adapters_per_replica``: adapters resident at once (``max_loras``)."""
 
     dynamic_lora_loading_path: Optional[str] = Field(default=None, min_length=1)
@@ -299,8 +299,7 @@ class OpenAIIngress:
         aliases = () if config.engine.model == name else (config.engine.model,)
         adapters = None
         if config.engine.enable_lora:
-            from kvroute.cluster.lora_registry import get_or_create_lora_registry
-            from kvroute.deploy.fleet_adapters import FleetAdapters
+            from kvroute.cluster.lora import FleetAdapters, get_or_create_lora_registry
 
             dynamic = llm.lora_config.dynamic_lora_loading_path if llm.lora_config is not None else None
             adapters = FleetAdapters(get_or_create_lora_registry(config), client, dynamic)

@@ -51,9 +51,10 @@ class ServerLimits(BaseModel):
 
 
 class AdapterHost(Protocol):
-    """Where LoRA adapters live (``AsyncEngine``; in the Serve application
-    ``deploy/fleet_adapters.py``'s ``FleetAdapters``): ValueError for a bad folder, a
-    taken name, an unknown adapter or one in use."""
+    """Where LoRA adapters live (``AsyncEngine``; in the Serve application and in
+    front of external workers ``cluster/lora.py``'s ``FleetAdapters`` and
+    ``WorkerAdapters``): ValueError for a bad folder, a taken name, an unknown adapter
+    or one in use."""
 
     async def list_loras(self) -> dict[str, str]:
         """The loaded adapters' folders by name."""

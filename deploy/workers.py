@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from kvroute.cluster.lora import WorkerAdapters
 from kvroute.cluster.router_choice import RouterChoice
 from kvroute.deploy.errors import APIError, bad_request, error_body
 from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, template_messages
@@ -76,42 +77,6 @@ class ForwardingServing(OpenAIServing):
     def _check_n(self, n: int) -> None:
         if n > self.limits.max_n:
             raise bad_request(f"n={n} exceeds the server's limit of {self.limits.max_n}", param="n")
-
-
-class WorkerAdapters:
-    """The LoRA adapters of the up workers (``deploy/serving.py``'s ``AdapterHost``): an
-    adapter any up worker lists is served (by the workers that list it). Loading one
-    goes to every up worker, unloading to those that list it (vLLM's
-    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``); it succeeds where at
-    least one worker did it (a worker without LoRA refuses), then the pool reads their
-    ``/v1/models`` again."""
-
-    def __init__(self, backend: "WorkersBackend") -> None:
-        self.backend = backend
-
-    async def list_loras(self) -> dict[str, str]:
-        await self.backend.workers()
-        return self.backend.adapters()
-
-    async def find_lora(self, name: str) -> bool:
-        return name in await self.list_loras()
-
-    async def load_lora(self, name: str, path: str) -> None:
-        workers = await self.backend.workers(fresh=True)
-        await self._call([w[0] for w in workers.values()], "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-
-    async def unload_lora(self, name: str) -> None:
-        workers = await self.backend.workers(fresh=True)
-        await self._call([w[0] for w in workers.values() if name in w[2]], "/v1/unload_lora_adapter", {"lora_name": name})
-
-    async def _call(self, urls: list[str], path: str, body: dict[str, str]) -> None:
-        backend = self.backend
-        answers = await asyncio.gather(*(backend.client.post(url + path, json=body) for url in urls), return_exceptions=True)
-        await backend.pool.refresh_models.remote()
-        await backend.workers(fresh=True)
-        if not any(isinstance(a, httpx.Response) and a.status_code < 400 for a in answers):
-            why = [repr(a) if isinstance(a, Exception) else _worker_error(a.status_code, a.content).message for a in answers]
-            raise ValueError(f"no worker could {path.rsplit('/', 1)[1].replace('_', ' ')}: {why or 'no worker is up'}")
 
 
 class WorkersBackend:

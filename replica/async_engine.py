@@ -180,7 +180,7 @@ class AsyncEngine:
         if e.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
         adapter = await asyncio.to_thread(e.lora.read, name, path)
-        await self.between_steps(lambda: e.add_lora(adapter))
+        await self.between_steps(lambda: e.register_lora(adapter))
 
     async def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``; ValueError while a request (queued or running) uses it."""
@@ -191,21 +191,13 @@ class AsyncEngine:
 
         await self.between_steps(unload)
 
-    def lora_names(self) -> list[str]:
-        return self.engine.lora_names()
-
-    def lora_modules(self) -> dict[str, str]:
-        """The loaded adapters' folders by name (what /v1/models lists)."""
-        lora = self.engine.lora
-        return {} if lora is None else {name: str(a.path) for name, a in lora.adapters.items()}
-
     async def list_loras(self) -> dict[str, str]:
-        """``lora_modules()``, as OpenAIServing's adapter host asks for it."""
-        return self.lora_modules()
+        """The loaded adapters' folders by name, in load order (what /v1/models lists)."""
+        return self.engine.list_loras()
 
     async def find_lora(self, name: str) -> bool:
         """Whether adapter ``name`` is loaded (this host loads nothing on demand)."""
-        return name in self.lora_modules()
+        return name in self.engine.list_loras()
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

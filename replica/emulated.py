@@ -15,7 +15,7 @@ constraint (``logit_bias``, ``allowed_token_ids``, ``bad_words``) rather than ig
 
 LoRA adapters (``enable_lora``): only their configs are read (a folder's
 ``adapter_config.json``, for the rank); ``max_loras`` slots hold the resident ones (LRU,
-``replica/adapter_slots.py``), and a step that needs a cold one takes its slot load too,
+``replica/lora/slots.py``), and a step that needs a cold one takes its slot load too,
 the profile's ``adapter_load_time`` (bytes ÷ host → device bandwidth), scaled as the step.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from kvroute.replica.adapter_slots import AdapterSlots, EmulatedAdapters
+from kvroute.replica.lora.slots import EmulatedSlots
 from kvroute.replica.profiles import StepProfile
 from kvroute.replica.sampling_params import SampleRequest, SamplerOutput
 from kvroute.replica.step_cost import attention_pairs
@@ -58,6 +58,7 @@ class EmulatedModel:
         time_scale: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        lora_slots: tuple[int, int, int | None] | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale!r}")
@@ -70,11 +71,8 @@ class EmulatedModel:
         self._clock, self._sleep = clock, sleep
         self.emulated_s = 0.0  # the profile's seconds of every step so far (unscaled)
         self._restores: list[tuple[int, float]] = []  # (tokens, scaled seconds) not yet taken
-        self.lora: AdapterSlots | None = None  # set by the engine with enable_lora
-
-    def adapter_slots(self, max_loras: int, max_rank: int, max_cpu_loras: int | None) -> EmulatedAdapters:
-        """The LoRA slots of this model: loads priced by the profile."""
-        return EmulatedAdapters(max_loras, max_rank, max_cpu_loras, self.profile.adapter_load_time)
+        # ``lora_slots=(max_loras, max_rank, max_cpu_loras)``: LoRA slots whose loads the profile prices
+        self.lora = EmulatedSlots(*lora_slots, profile.adapter_load_time) if lora_slots is not None else None
 
     def execute(self, sched: Any) -> None:
         """Take the step's emulated time (from now: the scheduling before it is the

@@ -20,7 +20,7 @@ from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvroute.replica.logits_constraints import EngineConstraints
-    from kvroute.replica.adapter_slots import AdapterSlots
+    from kvroute.replica.lora.slots import AdapterSlots
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class Engine:
             profile = get_profile(config.emulate)
             num_blocks = config.num_kv_blocks or max(1, profile.kv_blocks_per_replica * profile.block_size // bs)
             self.host_kv_blocks = config.host_blocks(profile.kv_bytes_per_token * bs)
-            self.runner = self.sampler = EmulatedModel(profile, self.arch.vocab_size, self.eos_token_ids, config.time_scale)
+            self.runner = self.sampler = EmulatedModel(profile, self.arch.vocab_size, self.eos_token_ids, config.time_scale,
+                                                       lora_slots=self._lora_slots(config))  # fmt: skip
         else:
             num_blocks = self._load_model(config)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.host_kv_blocks)
@@ -94,25 +95,23 @@ class Engine:
             self.kv,
         )
         self.requests: dict[RequestId, Request] = {}
-        self.lora: AdapterSlots | None = None
         self._lora_served: set[str] = set()  # adapter names that have run a request here
-        if config.enable_lora:
-            self.lora = self.runner.lora = self._adapter_slots(config)
-            for name, path in config.lora_modules.items():
-                self.load_lora(name, path)
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
         self.constraints = self._constraints(config)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
         if self.lora is not None:
             self.telemetry.lora_state = self.lora.state
 
-    def _adapter_slots(self, config: EngineConfig) -> "AdapterSlots":
-        """The LoRA slots: the model's wrapped Linears, or the emulated model's timed ones."""
-        if config.emulate is not None:
-            return self.runner.adapter_slots(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        from kvroute.replica.lora_slots import LoRAManager
+    @staticmethod
+    def _lora_slots(config: EngineConfig) -> tuple[int, int, int | None] | None:
+        """The runner's LoRA slots ``(max_loras, max_rank, max_cpu_loras)``; None without LoRA."""
+        return (config.max_loras, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
 
-        return LoRAManager(self.arch, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                           self.runner.lora_layers, self.runner.lora_batch)  # fmt: skip
+    @property
+    def lora(self) -> AdapterSlots | None:
+        """The runner's LoRA adapters and slots (None without ``enable_lora``)."""
+        return self.runner.lora
 
     def _constraints(self, config: EngineConfig) -> "EngineConstraints | None":
         """Structured outputs and the other logits constraints; None for an emulated engine
@@ -137,9 +136,8 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.host_kv_blocks = config.host_blocks(block_bytes)
         graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
-        lora_slots = (config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0)
         self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes,
-                                  self.host_kv_blocks, lora_slots)  # fmt: skip
+                                  self.host_kv_blocks, self._lora_slots(config))  # fmt: skip
         self.sampler = Sampler(config.seed)
         return num_blocks
 
@@ -264,10 +262,10 @@ class Engine:
         file and field when the folder is bad; nothing is kept then)."""
         if self.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
-        self.add_lora(self.lora.read(name, path))
+        self.register_lora(self.lora.read(name, path))
 
-    def add_lora(self, adapter) -> None:
-        """Register an adapter read by ``self.lora.read`` (``replica.lora.load_adapter``)."""
+    def register_lora(self, adapter) -> None:
+        """Register an adapter ``self.lora.read`` returned (the second half of ``load_lora``)."""
         if self.lora is None:
             raise ValueError("loading a LoRA adapter needs enable_lora=True")
         name = adapter.name
@@ -278,7 +276,7 @@ class Engine:
                 raise ValueError(f"LoRA adapter name {name!r} was served before and its cached KV cannot be "
                                  "dropped while requests run; load it under a new name or retry when idle")  # fmt: skip
             self._lora_served.discard(name)
-        self.lora.add(adapter)
+        self.lora.register(adapter)
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``; refused (ValueError) while a request uses it."""
@@ -287,11 +285,11 @@ class Engine:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they finish")
         assert self.lora is not None
-        self.lora.unload(name)
+        self.lora.unregister(name)
 
-    def lora_names(self) -> list[str]:
-        """The loaded adapters, in load order."""
-        return [] if self.lora is None else list(self.lora.adapters)
+    def list_loras(self) -> dict[str, str]:
+        """The loaded adapters' paths by name, in load order."""
+        return {} if self.lora is None else {name: str(a.path) for name, a in self.lora.adapters.items()}
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already done."""

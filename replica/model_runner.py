@@ -15,7 +15,7 @@ from kvroute.replica.host_copies import HostCopies
 from kvroute.replica.models.arch import ModelArch
 from kvroute.replica.models.decoder import DecoderForCausalLM
 from kvroute.replica.host_memory import keep_freed_memory
-from kvroute.replica.lora_slots import LoRABatch, LoRAManager, add_lora_layers
+from kvroute.replica.lora.layers import LayerSlots
 from kvroute.replica.models.rope import RotaryEmbedding
 from kvroute.replica.scheduler import SchedulerOutput
 from kvroute.replica.weights import load_weights_into
@@ -52,9 +52,10 @@ class ModelRunner:
     Kernels come from ``kvroute.kernels.ops`` (Triton on CUDA, torch references on CPU).
     On CUDA with Triton, decode-only steps of up to ``max(cuda_graph_sizes)`` sequences
     replay a captured CUDA graph (``cuda_graph_sizes=()`` keeps every step eager).
-    ``lora_slots=(max_loras, max_rank)`` wraps the fused Linears for LoRA
-    (``replica/lora_slots.py``); the engine then sets ``lora``, its ``LoRAManager``. A
-    step with adapter rows runs eager (the graphs hold the base model only).
+    ``lora_slots=(max_loras, max_rank, max_cpu_loras)`` wraps the fused Linears for
+    LoRA: ``lora`` is then their ``LayerSlots`` (``replica/lora/``), where the engine
+    registers adapters. A step with adapter rows runs eager (the graphs hold the base
+    model only).
     """
 
     def __init__(
@@ -68,7 +69,7 @@ class ModelRunner:
         max_model_len: int,
         cuda_graph_sizes: Sequence[int] = (),
         host_blocks: int = 0,
-        lora_slots: tuple[int, int] = (0, 0),
+        lora_slots: tuple[int, int, int | None] | None = None,
     ) -> None:
         self.arch, self.device, self.dtype = arch, device, dtype
         if device.type == "cpu":
@@ -87,9 +88,7 @@ class ModelRunner:
         model.rope = RotaryEmbedding(
             arch.head_dim, max_model_len, arch.rope_theta, arch.rope_scaling
         ).to(device)
-        self.lora: LoRAManager | None = None
-        self.lora_batch = LoRABatch()
-        self.lora_layers = add_lora_layers(model, arch, *lora_slots, self.lora_batch, dtype, device) if lora_slots[0] else []
+        self.lora = LayerSlots(model, arch, *lora_slots, dtype, device) if lora_slots is not None else None
         self.model = model.eval()
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim),
@@ -148,7 +147,7 @@ class ModelRunner:
         if self.lora is not None:
             qsl = inputs.query_start_loc
             layout = [(qsl[i], row.num_new, row.request.lora_name) for i, row in enumerate(step.rows)]
-            if self.lora.segments(layout, dev) is not None:
+            if self.lora.lay_out(layout, dev):
                 graphs = None
         if graphs is not None and inputs.decode_only and len(step.rows) <= graphs.max_batch:
             b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)

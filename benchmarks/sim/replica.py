@@ -7,7 +7,7 @@ one token appended per sampling row (the spec's planned answer token, or a
 deterministic id), ``finish`` at the output length, and the step's KV events from
 ``kv.take_events()`` with the same load figures (and the same EMA rate estimates) the
 engine publishes. LoRA adapters (``max_loras`` > 0): ``max_loras`` slots, least
-recently used evicted (``replica/adapter_slots.py``), adapters registered on first use;
+recently used evicted (``replica/lora/slots.py``), adapters registered on first use;
 a step that needs a cold adapter takes its slot load too (the profile's
 ``adapter_load_time`` of a rank-``lora_rank`` adapter), as the emulated engine does.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from kvroute.replica.adapter_slots import AdapterInfo, EmulatedAdapters
+from kvroute.replica.lora.slots import AdapterInfo, EmulatedSlots
 from kvroute.replica.emulated import step_seconds
 from kvroute.replica.profiles import StepProfile
 from kvroute.benchmarks.workloads import RequestSpec
@@ -77,9 +77,9 @@ class SimReplica:
         self._current: SchedulerOutput | None = None
         self._step_s = 0.0
         self.telemetry = ReplicaTelemetry(replica_id, self.scheduler, self.kv)
-        self.loras: EmulatedAdapters | None = None
+        self.loras: EmulatedSlots | None = None
         if max_loras:
-            self.loras = EmulatedAdapters(max_loras, lora_rank, None, cost.adapter_load_time)
+            self.loras = EmulatedSlots(max_loras, lora_rank, None, cost.adapter_load_time)
             self.telemetry.lora_state = self.loras.state
         self.lora_rank = lora_rank
         self.num_steps = 0
@@ -92,7 +92,7 @@ class SimReplica:
             if self.loras is None:
                 raise ValueError(f"request {spec.request_id} names LoRA adapter {spec.lora_name!r}; set max_loras")
             if spec.lora_name not in self.loras.adapters:  # every adapter is on every replica's host
-                self.loras.add(AdapterInfo(spec.lora_name, None, self.lora_rank))
+                self.loras.register(AdapterInfo(spec.lora_name, None, self.lora_rank))
         req = Request(RequestId(spec.request_id), list(spec.prompt_token_ids), params, self.hash_spec, spec.cache_salt,
                       spec.lora_name, arrival_time=now)  # fmt: skip
         req.block_hashes = list(block_hashes)  # memoized: the router already hashed the prompt

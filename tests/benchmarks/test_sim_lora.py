@@ -51,11 +51,11 @@ def test_ray_peers_prefer_replicas_with_the_adapter_loaded():
 def test_cold_adapters_of_one_step_load_in_name_order():
     """Not in a set's order, which follows the process' string hashing: the LRU order, and
     so every later eviction of a simulated run, would depend on PYTHONHASHSEED."""
-    from kvroute.replica.adapter_slots import AdapterInfo, EmulatedAdapters
+    from kvroute.replica.lora.slots import AdapterInfo, EmulatedSlots
 
-    slots = EmulatedAdapters(6, 16, None, COST.adapter_load_time)
+    slots = EmulatedSlots(6, 16, None, COST.adapter_load_time)
     names = ["lora-9", "lora-30", "lora-2", "lora-17", "lora-41", "lora-5"]
     for n in names:
-        slots.add(AdapterInfo(n, None, 16))
+        slots.register(AdapterInfo(n, None, 16))
     assert slots.acquire(names) == pytest.approx(6 * COST.adapter_load_time(16))
     assert list(slots.resident) == sorted(names) and slots.acquire(names[:2]) == 0.0

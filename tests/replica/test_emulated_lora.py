@@ -59,7 +59,7 @@ def test_reset_prefix_cache_empties_the_slots_too(tiny_llama_path, modules):
         engine.step()
     assert engine.stats().resident_loras == ("a", "b") and engine.stats().lora_slot_loads == 2
     assert engine.reset_prefix_cache()
-    assert engine.stats().resident_loras == () and engine.lora_names() == ["a", "b", "c"]
+    assert engine.stats().resident_loras == () and list(engine.list_loras()) == ["a", "b", "c"]
     engine.add_request("again", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1), lora_name="a")
     while engine.has_unfinished():
         engine.step()
@@ -87,7 +87,7 @@ def test_bad_adapter_config_is_named_and_unknown_adapters_refused(tiny_llama_pat
         engine.load_lora("bad", str(bad))
     with pytest.raises(ValueError, match="unknown LoRA adapter 'zz'"):
         engine.add_request("y", [5, 6], SamplingParams(max_tokens=1), lora_name="zz")
-    assert engine.lora_names() == ["a", "b", "c"]
+    assert list(engine.list_loras()) == ["a", "b", "c"]
 
 
 def test_emulated_lora_imports_no_torch(tiny_llama_path, modules):

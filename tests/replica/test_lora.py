@@ -159,7 +159,7 @@ def test_unknown_adapter_and_unload_in_use(fx: Fixture):
     while eng.has_unfinished():
         eng.step()
     eng.unload_lora("a")
-    assert eng.lora_names() == ["b"]
+    assert list(eng.list_loras()) == ["b"]
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
         eng.add_request("r2", fx.prompts[0], GREEDY, lora_name="a")
     with pytest.raises(ValueError, match="already loaded"):
@@ -220,7 +220,7 @@ def test_async_engine_loads_serves_and_unloads(fx: Fixture, tmp_path):
             await engine.unload_lora("a")
         await stream.aclose()  # aborts it: the unload that follows sees it gone
         await engine.unload_lora("a")
-        assert engine.lora_names() == ["b"]
+        assert list(await engine.list_loras()) == ["b"]
 
     asyncio.run(scenario())
 

@@ -12,7 +12,7 @@ import torch
 from kvroute.benchmarks.lora_adapters import save_random_adapter
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.llm import LLM
-from kvroute.replica.lora import CONFIG_FILE, WEIGHTS_FILE
+from kvroute.replica.lora.peft import CONFIG_FILE, WEIGHTS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_bad_folder_is_refused_naming_file_and_field(llm: LLM, tmp_path: Path, c
     breaker(folder)
     with pytest.raises(ValueError, match=message):
         llm.load_lora("bad", folder)
-    assert llm.engine.lora_names() == [] and not llm.engine.lora.resident
+    assert list(llm.engine.list_loras()) == [] and not llm.engine.lora.resident
 
 
 def test_not_a_directory(llm: LLM, tmp_path: Path):
@@ -77,7 +77,7 @@ def test_max_cpu_loras(tiny_llama_path: Path, tmp_path: Path):
     llm.load_lora("one", folder)
     with pytest.raises(ValueError, match="max_cpu_loras=1"):
         llm.load_lora("two", folder)
-    assert llm.engine.lora_names() == ["one"]
+    assert list(llm.engine.list_loras()) == ["one"]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Models and LoRA adapters from ``s3://`` (replica/model_store.py through
-``resolve_model`` and ``load_adapter``), against a real S3-compatible server: moto's, on
+``resolve_model`` and ``read_adapter``), against a real S3-compatible server: moto's, on
 127.0.0.1, reached through the standard ``AWS_ENDPOINT_URL`` as an operator would point
 kvroute at MinIO. The server counts the requests it answers, so "downloaded once" is
 measured where it happens.
@@ -236,4 +236,4 @@ def test_lora_adapter_from_s3_matches_the_local_folder(s3_env: S3Server, tiny_ll
     with pytest.raises(SourceNotFoundError, match=rf"LoRA adapter 'gone': folder s3://kvtest/loras/gone not found on node "
                                                   rf"{socket.gethostname()}"):  # fmt: skip
         llm.load_lora("gone", "s3://kvtest/loras/gone")
-    assert sorted(llm.engine.lora_names()) == ["local", "remote"]
+    assert sorted(llm.engine.list_loras()) == ["local", "remote"]

@@ -1,6 +1,6 @@
-"""The application's LoRA registry (a real detached Ray actor on the local cluster) and a
-replica's ``ReplicaAdapters`` around a real (emulated, torch-free) engine: sync loads what
-the registry lists and unloads what it dropped (not while in use), a folder spelled
+"""The application's LoRA registry (``cluster/lora.py``: a real detached Ray actor on the
+local cluster) and a replica's ``ReplicaAdapters`` around a real (emulated, torch-free)
+engine: sync loads what the registry lists and unloads what it dropped (not while in use), a folder spelled
 another way is the same adapter (no reload), a request's adapter loads on first use with
 the least recently used idle one making room, a restarted registry reads its adapters
 and epoch back from the GCS internal KV (and, where that state was lost, gets the
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.lora_registry import (
+from kvroute.cluster.lora import (
     ReplicaAdapters, delete_state, get_or_create_lora_registry, load_state, lora_registry_name,
 )
 from kvroute.cluster.router_actor import kill_router_actors
@@ -51,16 +51,16 @@ def test_sync_follows_the_registry_and_keeps_an_adapter_in_use(setup):
         assert ray.get(registry.add.remote("b", folders["b"]))
         await adapters.sync()
         await adapters.sync()
-        assert engine.lora_names() == ["a", "b"]
+        assert list(await engine.list_loras()) == ["a", "b"]
         assert engine.engine.lora.adapters["a"] is first  # "<folder>/" and "<folder>" are one adapter: no reload
         stream = engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=64), lora_name="b")
         await stream.__anext__()  # b is in use now
         assert ray.get(registry.remove.remote("b"))
         await adapters.sync()
-        assert "b" in engine.lora_names()  # still running: kept until the next sync after it ends
+        assert "b" in await engine.list_loras()  # still running: kept until the next sync after it ends
         await stream.aclose()
         await adapters.sync()
-        assert engine.lora_names() == ["a"]
+        assert list(await engine.list_loras()) == ["a"]
 
     asyncio.run(scenario())
 
@@ -72,14 +72,14 @@ def test_first_use_loads_and_evicts_the_least_recently_used_idle_adapter(setup):
 
     async def scenario():
         await adapters.sync()  # room for two: a (from the config) and b
-        assert engine.lora_names() == ["a", "b"]
+        assert list(await engine.list_loras()) == ["a", "b"]
         await adapters.ensure("b")
         await adapters.ensure("c")  # max_cpu_loras=2: a, used least recently, makes room
-        assert sorted(engine.lora_names()) == ["b", "c"]
+        assert sorted(await engine.list_loras()) == ["b", "c"]
         with pytest.raises(ValueError, match="unknown LoRA adapter 'zz'"):
             await adapters.ensure("zz")
         with pytest.raises(ValueError, match="already loaded"):
-            await adapters.load("b", folders["c"])
+            await adapters.load_lora("b", folders["c"])
 
     asyncio.run(scenario())
 
@@ -88,14 +88,14 @@ def test_a_restarted_registry_reads_its_saved_state_back(setup):
     config, registry, _, folders = setup
     ray.get(registry.add.remote("b", folders["b"]))  # loaded at run time; no replica holds it
     before = ray.get(registry.snapshot.remote())
-    assert load_state(lora_registry_name(config)) == before
+    assert load_state(lora_registry_name(config.app_name)) == before
     restart_actor(registry)
     assert ray.get(registry.snapshot.remote()) == before  # every adapter, the same epoch
     assert ray.get(registry.remove.remote("b"))
     restart_actor(registry)
     assert ray.get(registry.snapshot.remote()) == (before[0], {"a": folders["a"] + "/"})  # the removal stays
     kill_router_actors(config.app_name)  # the application ends: its registry's state goes too
-    assert load_state(lora_registry_name(config)) is None
+    assert load_state(lora_registry_name(config.app_name)) is None
     fresh = get_or_create_lora_registry(config)
     epoch, modules = ray.get(fresh.snapshot.remote())
     assert epoch != before[0] and modules == {"a": folders["a"] + "/"}
@@ -108,11 +108,11 @@ def test_a_registry_that_lost_its_state_gets_the_replicas_adapters_back(setup):
 
     async def scenario():
         await adapters.sync()
-        assert delete_state(lora_registry_name(config))  # the store lost it (a GCS without persistence restarted)
+        assert delete_state(lora_registry_name(config.app_name))  # the store lost it (a GCS without persistence restarted)
         ray.kill(registry, no_restart=False)  # it comes back with the config's adapters only
         wait_until(lambda: _epoch(registry) not in (None, adapters.epoch), 30, "the registry to restart")
         await adapters.sync()
-        assert engine.lora_names() == ["a", "b"]
+        assert list(await engine.list_loras()) == ["a", "b"]
         assert set(ray.get(registry.snapshot.remote())[1]) == {"a", "b"}
 
     asyncio.run(scenario())

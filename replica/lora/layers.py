@@ -1,12 +1,5 @@
-"""Adapters known to an engine, the ones resident on the device, and the layers that
-apply them (ARCHITECTURE.md §4, LoRA adapters).
-
-``LoRAManager`` (the bookkeeping of ``replica/adapter_slots.py``) keeps the registered
-adapters on the host (at most ``max_cpu_loras``) and ``max_loras`` device slots,
-assigned least recently used first. Each step,
-``segments`` makes the step's adapters resident (the scheduler never puts more than
-``max_loras`` adapters in one step, so a slot is always free or evictable) and lays out
-the rows: ``LoRASegments`` (``kernels/lora.py``) per run of rows of one adapter.
+"""The layers that apply LoRA adapters and the device slots they hold (ARCHITECTURE.md
+§4, LoRA adapters).
 
 ``LoRALinear`` wraps one of the model's fused Linears (``qkv_proj``, ``o_proj``,
 ``gate_up_proj``, ``down_proj``). PEFT's per-projection ``A``/``B`` land on the fused
@@ -14,6 +7,11 @@ output slices: the slot's ``a`` stacks the slices' ``A`` (``[S·R, in]``, rank p
 to ``max_lora_rank`` = ``R`` with zeros) and its ``b`` is block diagonal
 (``[out, S·R]``: slice *j*'s ``B × scale`` at its output rows and rank columns *j*), so
 one product serves every slice and an untargeted slice adds exact zeros.
+
+``LayerSlots`` (the bookkeeping of ``slots.py``) wraps a model's Linears and keeps the
+registered adapters on the host (at most ``max_cpu_loras``) and ``max_loras`` device
+slots in the wrappers, assigned least recently used first. Each step, ``lay_out`` makes
+the step's adapters resident and sets the ``LoRABatch`` (``batch.py``) the wrappers read.
 """
 
 from __future__ import annotations
@@ -26,20 +24,14 @@ import torch
 from torch import nn
 
 from kvroute.kernels import ops
-from kvroute.kernels.lora import LoRASegments
-from kvroute.replica.adapter_slots import AdapterSlots
-from kvroute.replica.lora import LoRAAdapter, load_adapter, module_shapes
+from kvroute.replica.lora.batch import LoRABatch
+from kvroute.replica.lora.peft import LoRAAdapter, module_shapes, read_adapter
+from kvroute.replica.lora.slots import AdapterSlots
 from kvroute.replica.models.arch import ModelArch
 
 # Fused Linear -> the PEFT projections side by side in its output.
 FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
-
-
-class LoRABatch:
-    """The current step's layout, shared by every ``LoRALinear`` (None: no adapter rows)."""
-
-    segments: LoRASegments | None = None
 
 
 class LoRALinear(nn.Module):
@@ -93,27 +85,26 @@ def add_lora_layers(model: nn.Module, arch: ModelArch, max_loras: int, max_rank:
     return out
 
 
-class LoRAManager(AdapterSlots):
+class LayerSlots(AdapterSlots):
     """``AdapterSlots`` whose slots are the wrapped Linears' ``a``/``b`` rows: a slot load
-    copies the adapter's weights there (timed). One caller: the engine."""
+    copies the adapter's weights there (timed). One owner: the model runner."""
 
-    def __init__(self, arch: ModelArch, max_loras: int, max_rank: int, max_cpu_loras: int | None,
-                 layers: list[dict[str, LoRALinear]], batch: LoRABatch) -> None:  # fmt: skip
+    def __init__(self, model: nn.Module, arch: ModelArch, max_loras: int, max_rank: int, max_cpu_loras: int | None,
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         super().__init__(max_loras, max_rank, max_cpu_loras)
-        self.arch, self.layers, self.batch = arch, layers, batch
+        self.arch = arch
+        self.batch = LoRABatch()
+        self.layers = add_lora_layers(model, arch, max_loras, max_rank, self.batch, dtype, device)
 
     def read(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Read and validate the PEFT folder (weights too: ``replica/lora.py``)."""
-        return load_adapter(name, path, self.arch, self.max_rank)
+        """Read and validate the PEFT folder, weights too (``peft.py``)."""
+        return read_adapter(name, path, self.arch, self.max_rank)
 
-    def segments(self, rows: Sequence[tuple[int, int, str | None]], device: torch.device) -> LoRASegments | None:
-        """Make the adapters of ``rows`` (``(start, length, adapter or None)``) resident and
-        lay them out; also sets the shared ``LoRABatch``."""
-        names = {n for _, _, n in rows if n is not None}
-        slots = {n: self._slot(n, names) for n in sorted(names)}
-        seg = LoRASegments.from_rows([(s, n, slots[a] if a is not None else -1) for s, n, a in rows], device)
-        self.batch.segments = seg
-        return seg
+    def lay_out(self, rows: Sequence[tuple[int, int, str | None]], device: torch.device) -> bool:
+        """Make the adapters of ``rows`` (``(start, length, adapter or None)``) resident
+        and set the step's ``LoRABatch``; whether any row uses an adapter."""
+        self.acquire({n for _, _, n in rows if n is not None})
+        return self.batch.lay_out(rows, self.resident, device) is not None
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> float:
         t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 least recently used evicted (stdlib only; ARCHITECTURE.md §4, LoRA adapters).
 
 ``AdapterSlots`` is the bookkeeping every engine shares: the real one
-(``replica/lora_slots.py``'s ``LoRAManager`` copies the weights into a slot and times
-it), the emulated one (``EmulatedAdapters``: a slot load takes the profile's bytes ÷
+(``layers.py``'s ``LayerSlots`` copies the weights into the wrapped Linears' slot and
+times it), the emulated one (``EmulatedSlots``: a slot load takes the profile's bytes ÷
 host → device bandwidth, charged to the step) and the simulator's replicas (the same).
 ``acquire`` makes a step's adapters resident (the scheduler never puts more than
 ``max_loras`` adapters in one step, so a slot is always free or evictable) and returns
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvroute.replica.config import check_adapter_name
-from kvroute.replica.lora_config import CONFIG_FILE, read_config
+from kvroute.replica.lora.peft import CONFIG_FILE, adapter_folder, read_config
 
 _EMA = 0.2  # weight of the newest slot load in ``load_s``
 
@@ -45,9 +45,16 @@ class AdapterSlots:
         self.load_s = 0.0  # seconds a slot load takes (moving average; what the router prices a cold adapter at)
         self.last_load_s = 0.0
 
-    def add(self, adapter: Any) -> None:
-        """Register a validated adapter (ValueError, nothing kept, if the name is taken,
-        ``max_cpu_loras`` are registered, or its rank is above ``max_rank``)."""
+    def read(self, name: str, path: str | Path) -> Any:
+        """An adapter from a PEFT folder: here its config alone (an engine without weights)."""
+        name = check_adapter_name(name)
+        folder = adapter_folder(name, path)  # a folder of this node, or its copy of an s3:// URI
+        rank, _, _ = read_config(folder / CONFIG_FILE, self.max_rank)
+        return AdapterInfo(name, folder, rank)
+
+    def register(self, adapter: Any) -> None:
+        """Register an adapter ``read`` returned (ValueError, nothing kept, if the name is
+        taken, ``max_cpu_loras`` are registered, or its rank is above ``max_rank``)."""
         if adapter.name in self.adapters:
             raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded (unload it first)")
         if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
@@ -56,7 +63,7 @@ class AdapterSlots:
             raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank={self.max_rank}")
         self.adapters[adapter.name] = adapter
 
-    def unload(self, name: str) -> None:
+    def unregister(self, name: str) -> None:
         self.require(name)
         del self.adapters[name]
         self.resident.pop(name, None)  # its slot is simply reused later
@@ -70,31 +77,20 @@ class AdapterSlots:
             known = ", ".join(sorted(self.adapters)) or "none"
             raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
 
-    def read(self, name: str, path: str | Path) -> AdapterInfo:
-        """An adapter from a PEFT folder, its config alone (an engine without weights)."""
-        from kvroute.replica.lora_config import adapter_folder
-
-        name = check_adapter_name(name)
-        folder = adapter_folder(name, path)  # a folder of this node, or its copy of an s3:// URI
-        rank, _, _ = read_config(folder / CONFIG_FILE, self.max_rank)
-        return AdapterInfo(name, folder, rank)
-
     def acquire(self, names: Iterable[str]) -> float:
-        """Make ``names`` resident; the seconds the slot loads took."""
+        """Make ``names`` resident (``resident[name]`` is then its slot); the seconds the
+        slot loads took."""
         pinned = set(names)
         seconds = 0.0
         for name in sorted(pinned):  # (a set's order follows the process' string hashing: runs would differ)
             if name in self.resident:
                 self.resident.move_to_end(name)
             else:
-                self._slot(name, pinned)
+                self._fill_slot(name, pinned)
                 seconds += self.last_load_s
         return seconds
 
-    def _slot(self, name: str, pinned: set[str]) -> int:
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            return self.resident[name]
+    def _fill_slot(self, name: str, pinned: set[str]) -> None:
         used = set(self.resident.values())
         free = [s for s in range(self.max_loras) if s not in used]
         if free:
@@ -106,7 +102,6 @@ class AdapterSlots:
         self.load_s = self.last_load_s if not self.num_slot_loads else (1 - _EMA) * self.load_s + _EMA * self.last_load_s
         self.resident[name] = slot
         self.num_slot_loads += 1
-        return slot
 
     def _load_slot(self, slot: int, adapter: Any) -> float:
         """Put ``adapter`` in ``slot``; the seconds it took (here: nothing to copy)."""
@@ -117,7 +112,7 @@ class AdapterSlots:
         return tuple(self.resident), self.load_s
 
 
-class EmulatedAdapters(AdapterSlots):
+class EmulatedSlots(AdapterSlots):
     """Slots whose loads take ``load_time(rank)`` seconds (the emulation profile's bytes ÷
     host → device bandwidth), charged by the caller to the step that needs them."""
 
