@@ -1,5 +1,6 @@
-"""The FastAPI application both hosts serve: OpenAI routes over an ``OpenAIServing``,
-the API key check, the body-size cap, the error envelope, and client-disconnect aborts.
+"""The FastAPI application every host serves (the Serve ingress, the single-engine
+server): OpenAI routes over an ``OpenAIServing``, the API key check, the body-size cap,
+the error envelope, and client-disconnect aborts.
 """
 
 from __future__ import annotations
@@ -38,10 +39,31 @@ def build_api(
 ) -> FastAPI:
     """The ASGI app. ``metrics()`` returns (body, content type) for ``GET /metrics``;
     ``extra_routes(app)`` adds host-specific routes."""
-    limits = serving.limits
     app = FastAPI(title="kvroute", version="0.1.0", docs_url=None, redoc_url=None)
+    _error_handlers(app)
+    _openai_routes(app, serving)
 
-    # ------------------------------------------------------------------ errors
+    @app.get("/health")
+    async def health() -> Response:
+        state = await serving.backend.health()
+        if state["ready"]:
+            return JSONResponse({"status": "ok", **state})
+        if state.get("refused_replicas"):
+            log.warning("/health: replicas refused by the routers: %s", state["refused_replicas"])
+        return JSONResponse({**error_body(503, "no replica is ready"), **state}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = await metrics()
+        return Response(body, media_type=content_type)
+
+    if extra_routes is not None:
+        extra_routes(app)
+    app.add_middleware(_Guard, api_key=serving.limits.api_key, max_body_bytes=serving.limits.max_body_bytes)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
@@ -59,19 +81,16 @@ def build_api(
         log.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
 
-    # ------------------------------------------------------------------ routes
-    # A serving that forwards requests whole (deploy/workers.py) also takes the raw body.
-    raw = getattr(serving, "takes_raw_body", False)
 
+def _openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    # The raw body (read already, to parse the model) goes along for a backend that forwards it.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        work = serving.completions(body, await request.json()) if raw else serving.completions(body)
-        return await _respond(request, work)
+        return await _respond(request, serving.completions(body, await request.body()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        work = serving.chat(body, await request.json()) if raw else serving.chat(body)
-        return await _respond(request, work)
+        return await _respond(request, serving.chat(body, await request.body()))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -92,26 +111,6 @@ def build_api(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await serving.detokenize(body)
-
-    @app.get("/health")
-    async def health() -> Response:
-        state = await serving.backend.health()
-        if state["ready"]:
-            return JSONResponse({"status": "ok", **state})
-        if state.get("refused_replicas"):
-            log.warning("/health: replicas refused by the routers: %s", state["refused_replicas"])
-        return JSONResponse({**error_body(503, "no replica is ready"), **state}, status_code=503, headers={"Retry-After": "1"})
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        body, content_type = await metrics()
-        return Response(body, media_type=content_type)
-
-    if extra_routes is not None:
-        extra_routes(app)
-
-    app.add_middleware(_Guard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes)
-    return app
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Response:

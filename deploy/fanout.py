@@ -1,11 +1,11 @@
 """One HTTP request's engine requests: fan-out, the merged delta stream, collection
 with a deadline, and SSE framing.
 
-A completion with ``n`` choices over ``P`` prompts runs as ``n * P`` engine requests
-(``run_choices``); their deltas arrive interleaved as ``(Choice, TokenDelta)`` pairs.
-``collect`` drains that stream for a JSON response, ``event_stream`` turns it into SSE
-bytes. Closing the stream (finished, failed, client gone, timed out) aborts every choice
-still running.
+A prepared request with ``n`` choices over ``P`` prompts runs as ``n * P`` engine
+requests (``run_choices``); their deltas arrive interleaved as ``(Choice, TokenDelta)``
+pairs. ``collect`` drains that stream for a JSON response, ``event_stream`` turns it into
+SSE bytes. Closing the stream (finished, failed, client gone, timed out) aborts every
+choice still running.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
 
-from kvroute.router.types import RouteOutcome
 from kvroute.deploy.errors import APIError, bad_request, error_body
+from kvroute.deploy.protocol import PreparedRequest
 from kvroute.replica.outputs import TokenDelta, TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 Stream = AsyncIterator[tuple["Choice", TokenDelta]]
 
 
-class Backend(Protocol):
+class EngineStreams(Protocol):
     def generate(
         self,
         token_ids: list[int],
@@ -32,15 +33,13 @@ class Backend(Protocol):
         *,
         request_id: str,
         cache_salt: Optional[str],
+        lora_name: Optional[str],
         on_route: Callable[[RouteOutcome], None],
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one request; ``on_route`` gets where it went (once it is there).
-        Raises ValueError for a bad request and ``APIError`` (429/503) when it cannot
-        be served; closing the iterator aborts the request."""
-
-    async def health(self) -> dict[str, Any]:
-        """``/health``'s body: ``ready`` (True while at least one engine can take
-        requests) and what else an operator should see."""
+        """Stream one engine request (``lora_name``: with that LoRA adapter; None: the
+        base model); ``on_route`` gets where it went (once it is there). Raises
+        ValueError for a bad request and ``APIError`` (429/503) when it cannot be
+        served; closing the iterator aborts the request."""
 
 
 @dataclass
@@ -75,32 +74,25 @@ class Choice:
 
 
 async def run_choices(
-    backend: Backend,
-    rid: str,
-    token_lists: list[list[int]],
-    params: list[SamplingParams],
-    cache_salt: Optional[str],
-    on_finished: list[Callable[[Choice], None]],
-    lora_name: Optional[str] = None,
+    engines: EngineStreams, request: PreparedRequest, on_finished: Callable[[Choice], None]
 ) -> Stream:
-    """Every choice's deltas as they come, interleaved: choice ``p * n + i`` is prompt
-    ``p`` sampled with ``params[i]``. Closing this iterator (the caller left) cancels
-    every choice, which aborts its engine request. ``lora_name`` (a LoRA adapter) reaches
-    the backend only when set, so backends without adapters keep their signature."""
-    adapter = {} if lora_name is None else {"lora_name": lora_name}
-    n = len(params)
-    choices = [Choice(index=p * n + i, prompt_index=p) for p in range(len(token_lists)) for i in range(n)]
+    """Every choice's deltas as they come, interleaved (``PreparedRequest`` says which
+    prompt and parameters each choice runs); ``on_finished(choice)`` as each finishes.
+    Closing this iterator (the caller left) cancels every choice, which aborts its
+    engine request."""
+    rid, n = request.request_id, len(request.params)
+    choices = [Choice(index=p * n + i, prompt_index=p) for p in range(len(request.prompts)) for i in range(n)]
     queue: asyncio.Queue[tuple[Choice, Union[TokenDelta, BaseException, None]]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
         try:
-            gen = backend.generate(
-                token_lists[choice.prompt_index],
-                params[choice.index % n],
+            gen = engines.generate(
+                request.prompts[choice.prompt_index],
+                request.params[choice.index % n],
                 request_id=f"{rid}-{choice.index}",
-                cache_salt=cache_salt,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_name,
                 on_route=choice.routed,
-                **adapter,
             )
             try:
                 async for delta in gen:
@@ -127,8 +119,7 @@ async def run_choices(
                 raise item
             choice.absorb(item)
             if item.finish_reason is not None:
-                for fn in on_finished:
-                    fn(choice)
+                on_finished(choice)
             yield choice, item
     finally:
         for t in tasks:

@@ -31,7 +31,7 @@ _GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
     ("kvroute:host_kv_cached_blocks", "num_host_cached_blocks", "Blocks held in the host KV tier."),
     ("kvroute:lora_resident_adapters", "num_resident_loras", "LoRA adapters in the replica's device slots."),
-    # the engine's measured figures the router prices it by (deploy/worker_load.py reads them back)
+    # the engine's measured figures the router prices it by (cluster/worker_load.py reads them back)
     ("kvroute:prefill_tokens_per_second", "prefill_tokens_per_s", "Measured prefill throughput (0: not yet measured)."),
     ("kvroute:decode_step_seconds", "decode_step_s", "Measured decode-only step time (0: not yet measured)."),
     ("kvroute:queued_prefill_tokens", "queued_prefill_tokens", "Prompt tokens waiting to be prefilled."),

@@ -1,5 +1,6 @@
 """The OpenAI protocol at the HTTP edge: request models (pydantic, validated field by
-field) and the conversion to the engine's ``SamplingParams``.
+field), the conversion to the engine's ``SamplingParams``, and ``PreparedRequest``, what
+``OpenAIServing`` makes of a request once it passed every check.
 
 Only what we serve is modelled; unknown fields are ignored, as OpenAI's own server
 does. Range checks live here so a bad field is a 400 naming the field, never a 500.
@@ -7,7 +8,8 @@ does. Range checks live here so a bad field is a 400 naming the field, never a 5
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
@@ -229,3 +231,36 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: Text = Field(min_length=1)
     lora_int_id: Optional[StrictInt] = None
+
+
+# What a backend answers a request with: a JSON body, or the bytes of an SSE stream.
+Answer = Union[dict[str, Any], AsyncIterator[bytes]]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A completions or chat request that passed every check of ``OpenAIServing``,
+    tokenized once: what a backend gets. Choice ``p * n + i`` runs prompt ``p`` with
+    ``params[i]`` (``n = len(params)``). ``body`` is the JSON body as received, for a
+    backend that forwards the request whole (unknown fields included)."""
+
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    request_id: str  # the answer's id: cmpl-... or chatcmpl-...
+    model: str  # the name the answer carries: the adapter's, else the served model's
+    prompts: list[list[int]]  # each prompt's token ids (chat: the templated messages)
+    params: list[SamplingParams]  # one per choice of a prompt
+    lora_name: Optional[str]
+    cache_salt: Optional[str]
+    stream: bool
+    include_usage: bool
+    logprobs: Optional[int]  # top logprobs per output token (None: no logprobs)
+    echo: list[str]  # per prompt, the text returned in front of its choices (completions' echo)
+    body: bytes
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * len(self.params)

@@ -15,21 +15,23 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI
 
 from kvroute.deploy.api import build_api
+from kvroute.deploy.choices import ChoiceBackend
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
-from kvroute.router.types import RouteOutcome
 from kvroute.deploy.serving import OpenAIServing, ServerLimits
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine, EngineStats
 from kvroute.replica.outputs import TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.router.types import RouteOutcome
 
 
-class EngineBackend:
-    """The ``Backend`` of one in-process ``AsyncEngine``."""
+class EngineBackend(ChoiceBackend):
+    """The backend of one in-process ``AsyncEngine``: each choice is one of its requests."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, timeout_s: Optional[float]) -> None:
+        super().__init__(engine.engine.tokenizer, timeout_s)
         self.engine = engine
 
     async def generate(
@@ -39,8 +41,8 @@ class EngineBackend:
         *,
         request_id: str,
         cache_salt: Optional[str],
+        lora_name: Optional[str],
         on_route: Callable[[RouteOutcome], None],
-        lora_name: Optional[str] = None,
     ) -> AsyncIterator[TokenDelta]:
         on_route(RouteOutcome(self.engine.replica_id))
         gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt, lora_name=lora_name)
@@ -72,7 +74,7 @@ def build_replica_server(
         engine.tokenizer,
         engine.max_model_len,
         engine.arch.vocab_size,
-        EngineBackend(async_engine),
+        EngineBackend(async_engine, limits.request_timeout_s),
         limits,
         served_model_aliases=() if name == config.model else (config.model,),
         adapters=async_engine if config.enable_lora else None,
@@ -83,41 +85,45 @@ def build_replica_server(
         report = await async_engine.metrics_report()
         return render(name, {replica_id: report}), CONTENT_TYPE
 
-    async def load() -> EngineStats:
-        return await async_engine.between_steps(lambda: engine.stats(with_ref_counts=False))
-
-    def extra_routes(app: FastAPI) -> None:
-        @app.get("/get_model_info")
-        async def get_model_info() -> dict[str, Any]:
-            return {"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path), "is_generation": True,
-                    "emulated_profile": config.emulate}  # fmt: skip
-
-        @app.get("/get_server_info")
-        async def get_server_info() -> dict[str, Any]:
-            info = dataclasses.asdict(config)
-            info.update(served_model_name=name, max_model_len=engine.max_model_len, num_kv_blocks=engine.kv.num_blocks)
-            return info
-
-        @app.get("/get_load")
-        async def get_load() -> dict[str, Any]:
-            stats = await load()
-            return {
-                "num_reqs": stats.num_running + stats.num_waiting,
-                "num_running_reqs": stats.num_running,
-                "num_waiting_reqs": stats.num_waiting,
-                "num_tokens": stats.queued_prefill_tokens,
-                "kv_cache_usage": stats.kv_usage,
-            }
-
-        @app.get("/load")
-        async def server_load() -> dict[str, Any]:
-            stats = await load()
-            return {"server_load": stats.num_running + stats.num_waiting}
-
-    app = build_api(serving, metrics, extra_routes)
+    app = build_api(serving, metrics, lambda app: _probe_routes(app, async_engine, config, name))
     if kv_events.enabled:
         app.router.on_shutdown.append(publisher.close)
     return app, async_engine
+
+
+def _probe_routes(app: FastAPI, async_engine: AsyncEngine, config: EngineConfig, name: str) -> None:
+    """The endpoints sglang-router and vllm-router probe their workers with."""
+    engine = async_engine.engine
+
+    async def load() -> EngineStats:
+        return await async_engine.between_steps(lambda: engine.stats(with_ref_counts=False))
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": str(engine.model_path), "tokenizer_path": str(engine.model_path), "is_generation": True,
+                "emulated_profile": config.emulate}  # fmt: skip
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        info = dataclasses.asdict(config)
+        info.update(served_model_name=name, max_model_len=engine.max_model_len, num_kv_blocks=engine.kv.num_blocks)
+        return info
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, Any]:
+        stats = await load()
+        return {
+            "num_reqs": stats.num_running + stats.num_waiting,
+            "num_running_reqs": stats.num_running,
+            "num_waiting_reqs": stats.num_waiting,
+            "num_tokens": stats.queued_prefill_tokens,
+            "kv_cache_usage": stats.kv_usage,
+        }
+
+    @app.get("/load")
+    async def server_load() -> dict[str, Any]:
+        stats = await load()
+        return {"server_load": stats.num_running + stats.num_waiting}
 
 
 def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimits, served_model_name: Optional[str] = None,

@@ -1,6 +1,7 @@
 """OpenAI response bodies and stream chunks, built from finished or streaming choices.
 
-Pure shaping: no I/O, no engine. Every body of one request shares one header
+Pure shaping: no I/O, no engine. ``body`` and ``chunks`` shape a prepared request's
+answer, whichever API it came through. Every body of one request shares one header
 (``{id, object, created, model}``, see ``header``); the chunk builders turn the merged
 delta stream of ``fanout.run_choices`` into OpenAI's streamed chunks.
 """
@@ -11,7 +12,25 @@ import time
 from typing import Any, AsyncIterator
 
 from kvroute.deploy.fanout import Choice, Stream
+from kvroute.deploy.protocol import PreparedRequest
 from kvroute.replica.outputs import TokenLogprob
+
+
+def body(req: PreparedRequest, choices: list[Choice], text_of: "TokenText") -> dict[str, Any]:
+    """The JSON answer to ``req`` from its finished choices."""
+    logprobs = req.logprobs is not None
+    if req.chat:
+        return chat_body(header(req.request_id, "chat.completion", req.model), choices, logprobs, text_of)
+    return completion_body(header(req.request_id, "text_completion", req.model), choices, req.echo, logprobs, text_of)
+
+
+def chunks(req: PreparedRequest, stream: Stream, text_of: "TokenText") -> AsyncIterator[dict[str, Any]]:
+    """The streamed chunks of ``req``'s answer from its merged delta stream."""
+    if req.chat:
+        head = header(req.request_id, "chat.completion.chunk", req.model)
+        return chat_chunks(head, stream, len(req.params), req.include_usage, req.logprobs is not None, text_of)
+    return completion_chunks(header(req.request_id, "text_completion", req.model), stream, req.echo, req.include_usage,
+                             text_of)  # fmt: skip
 
 
 def header(rid: str, kind: str, model: str) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""The OpenAI completions and chat APIs over any backend that streams TokenDeltas.
+"""The OpenAI API over any ``Backend``: every request is validated and tokenized here,
+once, whatever answers it.
 
 ``OpenAIServing`` is plain Python (no FastAPI, no Ray) and reads top-down per route:
-validate the request against the model's limits, tokenize it once (off the event loop),
-run its choices (``fanout``), shape the result (``responses``). Two hosts use it: the
-Ray Serve ingress (backend: the cluster client) and the single-engine server (backend:
-one in-process ``AsyncEngine``).
+check the request against the model's limits (model name, prompt count, ``n``, context
+length, ``best_of``, ``echo``, ``continue_final_message``, ``min_tokens``), tokenize it
+once (off the event loop), and hand the ``PreparedRequest`` to the backend, which
+answers it: the Serve application's replicas and the single-engine server stream its
+choices (``deploy/choices.py``), the external workers' backend forwards it whole
+(``deploy/workers.py``).
 """
 
 from __future__ import annotations
@@ -13,19 +16,19 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvroute.deploy import responses
 from kvroute.deploy.errors import APIError, bad_request
-from kvroute.deploy.fanout import Backend, collect, event_stream, run_choices
 from kvroute.deploy.protocol import (
+    Answer,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    PreparedRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     template_messages,
@@ -35,6 +38,18 @@ from kvroute.replica.sampling_params import SamplingParams
 __all__ = ["Backend", "OpenAIServing", "ServerLimits"]
 
 log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What answers the requests ``OpenAIServing`` prepared."""
+
+    async def answer(self, request: PreparedRequest) -> Answer:
+        """The JSON body or the SSE stream of ``request``. Raises ``APIError`` (a 4xx
+        or 5xx) or ValueError (400) for a request it cannot serve."""
+
+    async def health(self) -> dict[str, Any]:
+        """``/health``'s body: ``ready`` (True while at least one engine can take
+        requests) and what else an operator should see."""
 
 
 class ServerLimits(BaseModel):
@@ -92,8 +107,6 @@ class OpenAIServing:
         self.backend = backend
         self.limits = limits
         self.created = int(time.time())
-        self.text_of = responses.TokenText(tokenizer)
-        self.on_finished: list[Any] = []  # fn(choice) per finished choice (fanout.Choice)
 
     # ------------------------------------------------------------------ small APIs
     async def models(self) -> dict[str, Any]:
@@ -185,8 +198,15 @@ class OpenAIServing:
         self._check_ids(req.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 
-    # ------------------------------------------------------------------ completions
-    async def completions(self, req: CompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
+    # ------------------------------------------------------------------ completions and chat
+    async def completions(self, req: CompletionRequest, body: bytes) -> Answer:
+        """``body``: the request's JSON as received (``PreparedRequest.body``)."""
+        return await self.backend.answer(await self.prepare_completion(req, body))
+
+    async def chat(self, req: ChatCompletionRequest, body: bytes) -> Answer:
+        return await self.backend.answer(await self.prepare_chat(req, body))
+
+    async def prepare_completion(self, req: CompletionRequest, body: bytes) -> PreparedRequest:
         lora = await self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
@@ -201,18 +221,10 @@ class OpenAIServing:
         token_lists, echo = await asyncio.to_thread(self._prompt_ids, prompts, req.echo)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        head = responses.header(rid, "text_completion", lora or self.model_name)
-        stream = run_choices(self.backend, rid, token_lists, params, req.cache_salt, self.on_finished, lora)
-        if req.stream:
-            return await event_stream(
-                stream,
-                len(params) * len(token_lists),
-                lambda s: responses.completion_chunks(head, s, echo, req.include_usage, self.text_of),
-                self.limits.request_timeout_s,
-            )
-        choices = await collect(stream, self.limits.request_timeout_s)
-        return responses.completion_body(head, choices, echo, req.logprobs is not None, self.text_of)
+        return PreparedRequest(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
+                               prompts=token_lists, params=params, lora_name=lora, cache_salt=req.cache_salt,
+                               stream=req.stream, include_usage=req.include_usage, logprobs=req.logprobs, echo=echo,
+                               body=body)  # fmt: skip
 
     def _prompt_ids(self, prompts: list[Union[str, list[int]]], echo: bool) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (text or ids, checked by pydantic), and the text echo
@@ -224,8 +236,7 @@ class OpenAIServing:
             token_lists.append(ids)
         return token_lists, [self.tokenizer.decode(ids) if echo else "" for ids in token_lists]
 
-    # ------------------------------------------------------------------ chat
-    async def chat(self, req: ChatCompletionRequest) -> Union[dict[str, Any], AsyncIterator[bytes]]:
+    async def prepare_chat(self, req: ChatCompletionRequest, body: bytes) -> PreparedRequest:
         lora = await self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
@@ -240,20 +251,10 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc), param="top_logprobs") from None
         params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = run_choices(self.backend, rid, [ids], params, req.cache_salt, self.on_finished, lora)
-        logprobs = num_logprobs is not None
-        if req.stream:
-            head = responses.header(rid, "chat.completion.chunk", lora or self.model_name)
-            return await event_stream(
-                stream,
-                req.n,
-                lambda s: responses.chat_chunks(head, s, req.n, req.include_usage, logprobs, self.text_of),
-                self.limits.request_timeout_s,
-            )
-        head = responses.header(rid, "chat.completion", lora or self.model_name)
-        choices = await collect(stream, self.limits.request_timeout_s)
-        return responses.chat_body(head, choices, logprobs, self.text_of)
+        return PreparedRequest(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
+                               prompts=[ids], params=params, lora_name=lora, cache_salt=req.cache_salt,
+                               stream=req.stream, include_usage=req.include_usage, logprobs=num_logprobs, echo=[""],
+                               body=body)  # fmt: skip
 
     # ------------------------------------------------------------------ validation
     def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, param: str) -> list[int]:

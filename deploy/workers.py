@@ -1,22 +1,21 @@
-"""The ingress of a ``kvroute serve --workers`` application: the same OpenAI API, router
-actors and ``/metrics`` as ``OpenAIIngress``, in front of external OpenAI-compatible
-servers (vLLM, ``kvroute serve-replica``) instead of engine replicas.
+"""The backend of a ``kvroute serve --workers`` application: it forwards each prepared
+request to one of the external OpenAI-compatible servers (vLLM, ``kvroute
+serve-replica``) the application fronts instead of engine replicas.
 
-Per request, ``ForwardingServing`` validates the body as the engine path does,
-tokenizes the prompt once (the workers' model, from the local model folder; a
-completions list is routed by its first prompt) and hands the raw request to
-``WorkersBackend.forward``: block hashes under the application's ``HashSpec``, a
-decision from a router actor (the first in ``RouterChoice``'s order, failing over to the
-next, then a random order), and the request, unchanged but for ``model`` (the name the worker
-serves), to the first worker in that order. The worker's answer passes through
-unchanged (usage and ``prompt_tokens_details.cached_tokens`` included). A worker that
-refuses the connection, drops it or answers 5xx before the first byte of a stream (or
-before a whole body) is reported to the ``WorkerPool`` (``deploy/worker_pool.py``),
-which takes it out of routing, and the request goes to the next worker; after the
-first streamed byte a failure is an error event and ``[DONE]``.
+``OpenAIServing`` validated and tokenized the request as for any backend (a completions
+list is routed by its first prompt); ``WorkersBackend.answer`` hashes its blocks under
+the application's ``HashSpec``, takes a decision from a router actor (the first in
+``RouterChoice``'s order, failing over to the next, then a random order), and sends the
+request's body, unchanged but for ``model`` (the name the worker serves), to the first
+worker in that order. The worker's answer passes through unchanged (usage and
+``prompt_tokens_details.cached_tokens`` included). A worker that refuses the
+connection, drops it or answers 5xx before the first byte of a stream (or before a
+whole body) is reported to the ``WorkerPool`` (``cluster/worker_pool.py``), which takes
+it out of routing, and the request goes to the next worker; after the first streamed
+byte a failure is an error event and ``[DONE]``.
 
-Admin routes, behind the API key: ``GET /admin/workers``, ``POST /admin/workers``
-(a ``WorkerSpec``), ``DELETE /admin/workers/{id}``.
+``admin_routes``: ``GET /admin/workers``, ``POST /admin/workers`` (a ``WorkerSpec``),
+``DELETE /admin/workers/{id}``, behind the API key.
 """
 
 from __future__ import annotations
@@ -24,62 +23,32 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import time
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional
 
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from ray import serve
 
-from kvroute.cluster.lora import WorkerAdapters
 from kvroute.cluster.router_choice import RouterChoice
-from kvroute.deploy.errors import APIError, bad_request, error_body
-from kvroute.deploy.protocol import ChatCompletionRequest, CompletionRequest, template_messages
-from kvroute.deploy.serving import OpenAIServing
-from kvroute.deploy.worker_pool import WorkerSpec
-from kvroute.deploy.worker_probe import check_specs, cluster_nodes
+from kvroute.cluster.worker_state import WorkerSpec, pool_metrics_text
+from kvroute.deploy.errors import APIError, error_body
+from kvroute.deploy.protocol import Answer, PreparedRequest
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.router.types import RouteDecision, RouteOutcome
 
 log = logging.getLogger(__name__)
 
-Answer = Union[dict[str, Any], AsyncIterator[bytes]]
 WORKERS_FRESH_S = 0.5  # how long an ingress trusts its copy of the pool's up workers
 POOL_TIMEOUT_S = 2.0  # how long /metrics and /admin/workers wait for the pool's answer
 
 
-class ForwardingServing(OpenAIServing):
-    """``OpenAIServing`` whose completions and chat go whole to a worker."""
-
-    takes_raw_body = True
-
-    async def completions(self, req: CompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        lora = await self.check_model(req.model)
-        prompts = req.prompts()
-        if len(prompts) > self.limits.max_prompts:
-            raise bad_request(f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed",
-                              param="prompt")  # fmt: skip
-        self._check_n(req.n)
-        token_lists, _ = await asyncio.to_thread(self._prompt_ids, prompts[:1], False)
-        return await self.backend.forward("/v1/completions", raw, token_lists[0], req.cache_salt, req.stream, lora)
-
-    async def chat(self, req: ChatCompletionRequest, raw: dict[str, Any]) -> Answer:  # type: ignore[override]
-        lora = await self.check_model(req.model)
-        self._check_n(req.n)
-        ids = await asyncio.to_thread(
-            self._chat_ids, template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages"
-        )
-        return await self.backend.forward("/v1/chat/completions", raw, ids, req.cache_salt, req.stream, lora)
-
-    def _check_n(self, n: int) -> None:
-        if n > self.limits.max_n:
-            raise bad_request(f"n={n} exceeds the server's limit of {self.limits.max_n}", param="n")
-
-
 class WorkersBackend:
+    """The ``Backend`` (``deploy/serving.py``) over the pool's up workers: ``answer``
+    forwards a prepared request whole (module docstring); ``accuracy`` (``/metrics``'
+    decision quality) counts what the workers report cached."""
+
     def __init__(self, pool: Any, router_actors: list[Any], hash_spec: HashSpec, request_timeout_s: Optional[float],
                  accuracy: Any = None) -> None:  # fmt: skip
         self.pool = pool
@@ -112,22 +81,23 @@ class WorkersBackend:
         return self._up
 
     # ------------------------------------------------------------------ forwarding
-    async def forward(self, path: str, body: dict[str, Any], token_ids: list[int], cache_salt: Optional[str],
-                      stream: bool, lora_name: Optional[str] = None) -> Answer:  # fmt: skip
+    async def answer(self, request: PreparedRequest) -> Answer:
         """Rank the workers that serve the request's model (its adapter, when it names
-        one; the adapter keys its blocks as the workers' engines key them) and send it to
-        the first that answers."""
-        hashes = hash_blocks(self.hash_spec, token_ids, cache_salt, lora_name=lora_name)
+        one; the adapter keys its blocks as the workers' engines key them) and send its
+        body to the first that answers."""
+        token_ids, lora_name = request.prompts[0], request.lora_name
+        hashes = hash_blocks(self.hash_spec, token_ids, request.cache_salt, lora_name=lora_name)
         workers = {wid: w for wid, w in (await self.workers()).items() if lora_name is None or lora_name in w[2]}
         if not workers:
             raise APIError(503, "no worker is up" + (f" with the adapter {lora_name!r}" if lora_name else ""),
                            code="unavailable", retry_after_s=1.0)  # fmt: skip
         decision = await self._rank(hashes, len(token_ids), list(workers), lora_name)
-        failed: list[str] = []
+        body, failed = json.loads(request.body), []
         for wid in (w for w in decision.order if w in workers):
             url, model, _ = workers[wid]
             try:
-                return await self._send(url + path, {**body, "model": lora_name or model}, stream, decision, wid)
+                return await self._send(url + request.path, {**body, "model": lora_name or model}, request.stream, decision,
+                                        wid)  # fmt: skip
             except _WorkerFailed as exc:
                 failed.append(wid)
                 await self._take_out(wid, str(exc))
@@ -237,8 +207,6 @@ def _stream_usage(tail: bytes) -> Optional[dict[str, Any]]:
 async def pool_metrics(pool: Any, model_name: str) -> bytes:
     """The pool's liveness and its workers' state for ``/metrics`` (``worker_state.py``'s
     ``pool_metrics_text``); ``kvroute:worker_pool_up`` 0 when it does not answer in time."""
-    from kvroute.deploy.worker_state import pool_metrics_text
-
     try:
         described = await asyncio.wait_for(pool.describe.remote(), POOL_TIMEOUT_S)
     except Exception as exc:
@@ -260,56 +228,10 @@ def _worker_error(status: int, raw: bytes) -> APIError:
         return APIError(status, f"the worker answered {status}: {raw[:200]!r}")
 
 
-# ---------------------------------------------------------------------- ingress
-@serve.ingress()
-class WorkersIngress:
-    """HTTP ingress in front of external workers (``deploy/app.py``'s ``compose_app``)."""
+def admin_routes(pool: Any) -> Callable[[FastAPI], None]:
+    """The routes that list, add and remove the pool's workers (module docstring)."""
 
-    async def __init__(self, args: dict[str, Any], config: Any) -> None:
-        from kvroute.cluster.router_actor import get_or_create_router_actors
-        from kvroute.deploy.app import ingress_limits, load_model_info, parse_args
-        from kvroute.deploy.app_metrics import IngressReporter
-        from kvroute.deploy.metrics import DecisionQuality
-        from kvroute.deploy.worker_pool import get_or_create_worker_pool
-
-        parsed = parse_args(args)
-        name = parsed.llm_configs[0].model_loading_config.model_id
-        tokenizer, max_model_len, vocab_size = await load_model_info(config)
-        self.router_actors = get_or_create_router_actors(config)
-        for actor in self.router_actors:  # kept routers adopt a redeployed policy
-            actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
-        source = config.engine.model
-        names = {name, source, os.path.basename(source.rstrip("/"))}
-        check_specs(parsed.workers or [], cluster_nodes())  # a clear error here, not the pool actor's
-        self.pool = get_or_create_worker_pool(config, [w.model_dump() for w in parsed.workers or []], sorted(names),
-                                              parsed.worker_poll_interval_s)  # fmt: skip
-        await self.pool.up_workers.remote()  # starts its poll loop (after a restart too: every call does)
-        self.accuracy = DecisionQuality()
-        limits = ingress_limits(parsed)
-        backend = WorkersBackend(self.pool, self.router_actors, config.hash_spec, limits.request_timeout_s, self.accuracy)
-        aliases = () if source == name else (source,)
-        self.serving = ForwardingServing(name, tokenizer, max_model_len, vocab_size, backend, limits, aliases,
-                                         WorkerAdapters(backend))  # fmt: skip
-        self.reporter = IngressReporter(self.router_actors, self.accuracy, backend.stats)
-
-    async def check_health(self) -> None:
-        """Serve's periodic health check: tells the pool an ingress still uses it (an
-        unused one ends itself; the routers hear each ingress's reports)."""
-        self.pool.touch.remote()
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from kvroute.deploy.api import build_api
-        from kvroute.deploy.app_metrics import router_metrics
-
-        async def metrics() -> tuple[bytes, str]:
-            body, content_type = await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
-            return body + await pool_metrics(self.pool, self.serving.model_name), content_type
-
-        return build_api(self.serving, metrics, self._admin_routes)
-
-    def _admin_routes(self, app: FastAPI) -> None:
-        pool = self.pool
-
+    def add(app: FastAPI) -> None:
         @app.get("/admin/workers")
         async def list_workers() -> dict[str, Any]:
             try:
@@ -330,3 +252,5 @@ class WorkersIngress:
             if not await pool.remove.remote(worker_id):
                 raise APIError(404, f"no worker {worker_id!r} in the pool", param="worker_id", code="worker_not_found")
             return {"id": worker_id, "object": "worker", "deleted": True}
+
+    return add

@@ -10,7 +10,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray")
 
-from kvroute.deploy.app import parse_args, router_choice  # noqa: E402
+from kvroute.deploy.app_config import parse_args, router_choice  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

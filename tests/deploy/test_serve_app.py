@@ -140,7 +140,8 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
     config = ClusterConfig(engine=EngineConfig(model=str(tiny_llama_path)), app_name="kvhealth")
     router = get_or_create_router_actor(config)
     try:
-        serving = OpenAIServing(MODEL, load_tokenizer(tiny_llama_path), 512, 49152, ClusterBackend(None, [router]))
+        tokenizer = load_tokenizer(tiny_llama_path)
+        serving = OpenAIServing(MODEL, tokenizer, 512, 49152, ClusterBackend(None, [router], tokenizer, None))
 
         async def no_metrics():
             return b"", "text/plain"
@@ -230,7 +231,7 @@ def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_
 def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path):
     """`--router prefix_affinity_ray`: Ray's own PrefixCacheAffinityRouter routes the
     same application (it matches on the prompt text the client attaches)."""
-    from kvroute.deploy.app import router_choice
+    from kvroute.deploy.app_config import router_choice
 
     name = "kvhttp-ray-router"
     route = router_choice("prefix_affinity_ray")

@@ -19,7 +19,7 @@ from ray import serve  # noqa: E402
 
 from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
-from kvroute.deploy.worker_load import parse_load  # noqa: E402
+from kvroute.cluster.worker_load import parse_load  # noqa: E402
 from tests.conftest import free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What the worker pool (``deploy/worker_pool.py``) asks of the network and of Ray before
+"""What the worker pool (``cluster/worker_pool.py``) asks of the network and of Ray before
 it trusts a worker's address: every call bounded in time, every address usable from
 wherever the pool and the ingresses run.
 

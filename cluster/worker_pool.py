@@ -4,12 +4,12 @@ what the router actors know of them.
 
 One ``WorkerPool`` per application, a detached Ray actor that every ingress replica asks
 for the up workers. Every ``poll_interval_s`` each up worker's ``/metrics`` becomes
-``LoadFigures`` (``deploy/worker_load.py``) handed to every router (``report_load``, also
+``LoadFigures`` (``cluster/worker_load.py``) handed to every router (``report_load``, also
 its sign of life); a worker whose poll fails, or that an ingress reports dead
 (``mark_down``), leaves every router and is probed (``/health``, ``/v1/models``: it must
 serve the application's model) until it answers again. Its LoRA adapters are read again
 every ``MODELS_REFRESH_S``. Its cache entries come from its KV events where it has an
-event endpoint (``deploy/worker_state.py``); without one it is registered empty.
+event endpoint (``cluster/worker_state.py``); without one it is registered empty.
 
 No worker stalls the others: every HTTP call is bounded (``HTTP_TIMEOUT_S``, the whole
 answer) and so is every router call; each worker ticks as its own task under
@@ -21,7 +21,7 @@ drops what it learnt. The pool's liveness (rounds, the last one's age) is in
 ``describe()``, ``/admin/workers`` and ``/metrics``. As an actor it keeps its worker list
 in the GCS internal KV under its actor name and starts from it when Ray restarts it, so
 runtime ``add``/``remove`` survive a crash; on a cluster of several nodes it refuses
-loopback addresses (``deploy/worker_probe.py``).
+loopback addresses (``cluster/worker_probe.py``).
 
 Load tickets: a worker does not know the routers' tickets, so a poll's figures count
 every request routed more than ``TRANSIT_MARGIN_US`` before the poll started (its
@@ -46,9 +46,9 @@ from kvroute.cluster.kv_subscriber import STOP_TIMEOUT_S, KVEventSubscriber
 from kvroute.cluster.messages import ROUTER_NAMESPACE
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.cluster.saved_state import load_json, save_json
-from kvroute.deploy import worker_probe as probe
-from kvroute.deploy.worker_load import parse_load
-from kvroute.deploy.worker_state import Worker, WorkerSpec, adapters_of, describe_worker, recheck_events, subscribe
+from kvroute.cluster import worker_probe as probe
+from kvroute.cluster.worker_load import parse_load
+from kvroute.cluster.worker_state import Worker, WorkerSpec, adapters_of, describe_worker, recheck_events, subscribe
 from kvroute.replica.kv_events import LoadFigures
 
 log = logging.getLogger(__name__)

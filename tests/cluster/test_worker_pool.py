@@ -1,4 +1,4 @@
-"""The worker pool of ``kvroute serve --workers`` (``deploy/worker_pool.py``) on a real
+"""The worker pool of ``kvroute serve --workers`` (``cluster/worker_pool.py``) on a real
 local Ray cluster, with real router actors, in front of small real HTTP servers that
 answer as a worker does (``/health``, ``/v1/models``, ``/metrics``): runtime-added workers
 survive a crash of the pool actor; an event endpoint that takes no connection is shown
@@ -19,8 +19,8 @@ zmq = pytest.importorskip("zmq")
 
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.router_actor import get_or_create_router_actors, kill_router_actors  # noqa: E402
-from kvroute.deploy import worker_probe  # noqa: E402
-from kvroute.deploy.worker_pool import WorkerPool, get_or_create_worker_pool  # noqa: E402
+from kvroute.cluster import worker_probe  # noqa: E402
+from kvroute.cluster.worker_pool import WorkerPool, get_or_create_worker_pool  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.conftest import free_port, restart_actor, wait_until  # noqa: E402
 

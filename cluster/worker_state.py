@@ -1,4 +1,4 @@
-"""One external worker as the pool (``deploy/worker_pool.py``) holds it: its spec (what
+"""One external worker as the pool (``cluster/worker_pool.py``) holds it: its spec (what
 ``serve.yaml``'s ``workers`` and ``POST /admin/workers`` give), what the pool learnt of
 it (up or down, the model and adapters it serves, its load, why it failed), its KV event
 subscriber, and how ``/admin/workers`` and ``/metrics`` show it.
@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.kv_subscriber import KVEventSubscriber
-from kvroute.deploy.worker_load import WorkerRates
-from kvroute.deploy.worker_probe import bounded_get, endpoint_error
+from kvroute.cluster.worker_load import WorkerRates
+from kvroute.cluster.worker_probe import bounded_get, endpoint_error
 from kvroute.replica.kv_events import LoadFigures
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """An external worker's /metrics page into the LoadFigures the routers price it by
-(deploy/worker_load.py): vLLM's gauges, serve-replica's own measured figures, and the
+(cluster/worker_load.py): vLLM's gauges, serve-replica's own measured figures, and the
 estimates from vLLM's histograms."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvroute.deploy.worker_load import WorkerRates, parse_load
+from kvroute.cluster.worker_load import WorkerRates, parse_load
 
 # vLLM 0.32's names and label sets (v1/metrics/loggers.py), one engine
 GAUGES = (
