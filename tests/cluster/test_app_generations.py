@@ -31,11 +31,11 @@ def test_a_policy_change_is_adopted_with_the_directory_kept():
     hashes = [BlockHash(1), BlockHash(2)]
     svc.register("r1", spec, 16, hashes, 0)
     svc.register("r2", spec, 16, [], 0)
-    assert svc.rank(hashes, 16, ["r1", "r2"]).replica_ids[0] == "r1"  # kvroute: the holder
+    assert svc.rank(hashes, 16, ["r1", "r2"]).replica_id == "r1"  # kvroute: the holder
     assert svc.adopt("round_robin", {}) is True
     assert svc.adopt("round_robin", {}) is False  # the same again: nothing to do
     assert sorted(svc.replicas()) == ["r1", "r2"] and svc.directory("r1") == hashes
-    firsts = {svc.rank(hashes, 16, ["r1", "r2"]).replica_ids[0] for _ in range(4)}
+    firsts = {svc.rank(hashes, 16, ["r1", "r2"]).replica_id for _ in range(4)}
     assert firsts == {"r1", "r2"}  # round robin ignores the cache
     assert svc.health()["policy"] == "round_robin"
 
