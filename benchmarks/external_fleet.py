@@ -27,10 +27,10 @@ class ExternalFleet:
     _FORWARDED = ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "dtype", "seed", "emulate", "time_scale",
                   "host_kv_blocks", "max_loras", "max_lora_rank", "max_cpu_loras")
 
-    def __init__(self, args: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
-        self.config = args
+    def __init__(self, fleet: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
+        self.fleet = fleet
         self.engine_kwargs = engine_kwargs
-        self.ingresses = args.ingresses
+        self.ingresses = fleet.ingresses
         self.procs: list[subprocess.Popen] = []  # the replicas, in the order of self.urls
         self.router_procs: list[subprocess.Popen] = []  # one per ingress, in the order of self.base_urls
         self.urls: list[str] = []
@@ -39,7 +39,7 @@ class ExternalFleet:
     def _start_replicas(self, n: int) -> list[str]:
         """``n`` more ``serve-replica`` processes, once each answers ``/health``."""
         kw = self.engine_kwargs
-        flags = ["--model", self.config.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
+        flags = ["--model", self.fleet.model, "--served-model-name", SERVED_NAME, "--block-size", str(kw.get("block_size", 16))]
         for key in self._FORWARDED:
             if kw.get(key) is not None:
                 flags += [f"--{key.replace('_', '-')}", str(kw[key])]
@@ -58,7 +58,7 @@ class ExternalFleet:
     def start(self, router: str) -> dict[str, Any]:
         self.close()
         try:
-            urls = self._start_replicas(self.config.replicas - self.config.add_replicas)
+            urls = self._start_replicas(self.fleet.replicas - self.fleet.add_replicas)
             self.router = router
             for _ in range(self.ingresses):
                 port, metrics_port = free_port(), free_port()  # (a fixed default metrics port would clash)
@@ -126,7 +126,7 @@ class ExternalFleet:
         return new
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": str(self.config.torch_threads)}
+        return {**os.environ, "OMP_NUM_THREADS": str(self.fleet.torch_threads)}
 
     def close(self) -> None:
         procs = [*self.router_procs, *self.procs]

@@ -105,18 +105,18 @@ class ServeFleet:
 
     kind = "serve"
 
-    def __init__(self, args: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
-        self.config = args
+    def __init__(self, fleet: FleetConfig, engine_kwargs: dict[str, Any]) -> None:
+        self.fleet = fleet
         self.engine_kwargs = engine_kwargs
-        self.app_name = args.app_name
-        self.ingresses = args.ingresses
-        self.base_urls = [f"http://127.0.0.1:{args.http_port}/{self.ingress_app(i)}" for i in range(self.ingresses)]
+        self.app_name = fleet.app_name
+        self.ingresses = fleet.ingresses
+        self.base_urls = [f"http://127.0.0.1:{fleet.http_port}/{self.ingress_app(i)}" for i in range(self.ingresses)]
         self.base_url = self.base_urls[0]
         self.replica_ids: list[str] = []
         self._control = None  # handle whose request router is kvroute's (addressed calls)
         self._changed = False  # replicas were replaced or added since the last start
         self._starts = 0
-        self.initial = args.replicas - args.add_replicas  # the fleet's size when a run starts
+        self.initial = fleet.replicas - fleet.add_replicas  # the fleet's size when a run starts
         self.size = self.initial
 
     def ingress_app(self, i: int) -> str:
@@ -127,21 +127,21 @@ class ServeFleet:
         from kvroute.deploy.app_config import parse_args, router_choice
 
         route = router_choice("kvroute" if router == ONE_ROUTER else router)
-        num_routers = 1 if router == ONE_ROUTER else self.config.num_routers or self.ingresses
+        num_routers = 1 if router == ONE_ROUTER else self.fleet.num_routers or self.ingresses
         return parse_args({
             "app_name": self.app_name,
             "llm_configs": [{
-                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.config.model},
+                "model_loading_config": {"model_id": SERVED_NAME, "model_source": self.fleet.model},
                 "engine_kwargs": self.engine_kwargs,
                 "deployment_config": {
                     "num_replicas": self.size,
-                    "ray_actor_options": {"num_cpus": self.config.num_cpus_per_replica},
+                    "ray_actor_options": {"num_cpus": self.fleet.num_cpus_per_replica},
                     "request_router_config": {"request_router_class": route["request_router_class"]},
-                    "max_ongoing_requests": self.config.max_ongoing_requests,
+                    "max_ongoing_requests": self.fleet.max_ongoing_requests,
                 },
                 "router_policy": route["router_policy"],
                 "num_routers": num_routers,
-                "torch_threads": self.config.torch_threads,
+                "torch_threads": self.fleet.torch_threads,
             }],
             "ingress": {"num_cpus": 0.1},
         })
@@ -330,7 +330,7 @@ class ServeFleet:
     def _kill_prefix_tree_actor(self) -> None:
         import ray
 
-        namespace = f"serve::{self.app_name}::{self.config.deployment_name}"
+        namespace = f"serve::{self.app_name}::{self.fleet.deployment_name}"
         try:
             ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=namespace), no_restart=True)
         except ValueError:

@@ -19,8 +19,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_two_routers_on_one_fleet_write_a_table(ray_cluster, tiny_llama_path, tmp_path, capsys):
     port = ray_cluster.rsplit(":", 1)[1]
     out = tmp_path / "cmp"
-    rc = bench(["compare_routers", 
-        "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "kvroute,power_of_two",
+    rc = bench([
+        "compare_routers", "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "kvroute,power_of_two",
         "--engine-kwargs", json.dumps({"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}),
         "--app-name", "cmpbench", "--http-port", port, "--out-dir", str(out),
         "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "4",
@@ -61,8 +61,8 @@ def test_external_routers_front_single_engine_servers(tiny_llama_path, tmp_path,
     pytest.importorskip("sglang_router", reason="pip install -e .[test] installs sglang-router")
     pytest.importorskip("vllm_router", reason="pip install -e .[test] installs vllm-router")
     out = tmp_path / "ext"
-    rc = bench(["compare_routers", 
-        "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "sglang_router,vllm_router",
+    rc = bench([
+        "compare_routers", "--model", str(tiny_llama_path), "--replicas", "2", "--routers", "sglang_router,vllm_router",
         "--engine-kwargs", json.dumps({"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}),
         "--out-dir", str(out), "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
         "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "48", "--gsp-question-len", "8",

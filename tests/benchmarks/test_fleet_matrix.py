@@ -18,8 +18,8 @@ from kvroute.benchmarks.fleets import external_available  # noqa: E402
 
 def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], time_scale: str, len_scale: str) -> int:
     """One load (0.5) of one scenario on 4 emulated replicas at scale 0.05."""
-    return bench(["fleet_matrix", 
-        "--replicas", "4", "--time-scale", time_scale, "--scenarios", scenario, "--loads", "0.5",
+    return bench([
+        "fleet_matrix", "--replicas", "4", "--time-scale", time_scale, "--scenarios", scenario, "--loads", "0.5",
         "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", len_scale,
         "--http-port", ray_cluster.rsplit(":", 1)[1], "--app-name", f"fleet{scenario}", "--out-dir", str(out),
         "--timeout-s", "120",

@@ -39,8 +39,8 @@ def server(tiny_llama_path):
 
 def test_cli_run_against_a_local_server(server, tmp_path, capsys):
     out = tmp_path / "gsp.json"
-    rc = bench(["serving", 
-        "--base-url", server, "--dataset-name", "generated-shared-prefix",
+    rc = bench([
+        "serving", "--base-url", server, "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "64",
         "--gsp-question-len", "8", "--gsp-output-len", "6", "--request-rate", "20", "--max-concurrency", "4",
         "--block-size", str(BLOCK), "--result-file", str(out), "--plot", "--disable-tqdm",

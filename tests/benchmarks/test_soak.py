@@ -17,8 +17,8 @@ from kvroute.benchmarks import soak  # noqa: E402
 
 def test_short_soak_against_kvroute_serve(tiny_llama_path, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    rc = bench(["soak", 
-        "--minutes", "0.4", "--model", str(tiny_llama_path), "--replicas", "2", "--dtype", "float32",
+    rc = bench([
+        "soak", "--minutes", "0.4", "--model", str(tiny_llama_path), "--replicas", "2", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--concurrency", "3",
         "--max-tokens", "8", "--out", str(out),
     ])
