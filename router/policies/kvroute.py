@@ -39,6 +39,7 @@ from math import inf
 from operator import and_, eq, ge, le
 from typing import Any, ClassVar, Sequence
 
+from kvroute.router.adapter_sets import AdapterDemand, slot_price
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
 
@@ -67,6 +68,8 @@ class KVRoutePolicy(Policy):
         batch_slack_abs: int = BATCH_SLACK_ABS,
         saturated_stick: bool = True,
         default_adapter_load_s: float = 0.05,
+        scarcity: bool = True,
+        adapter_half_life: float = 256.0,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -94,6 +97,8 @@ class KVRoutePolicy(Policy):
         if default_adapter_load_s < 0:
             raise ValueError(f"default_adapter_load_s must be >= 0, got {default_adapter_load_s!r}")
         self.default_adapter_load_s = float(default_adapter_load_s)
+        self.scarcity = bool(scarcity)  # the scarcity rules: adapter slot prices (router/POLICIES.md)
+        self.demand = AdapterDemand(adapter_half_life)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -177,7 +182,16 @@ class KVRoutePolicy(Policy):
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
         table = request.table if request.table is not None else self.table_from_view(request, view)
         key = request.block_hashes[0] if request.block_hashes else request.num_tokens
-        return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes), key)
+        slots = None
+        if self.scarcity and request.lora_name is not None and table.adapter_cold is not None and any(table.adapter_cold):
+            loads = [view.load(r) for r in request.candidates]
+            slots = slot_price(request.lora_name, [ld.resident_loras for ld in loads], [ld.max_loras for ld in loads],
+                               self.demand)  # fmt: skip
+        return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes), key, slots)
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        if self.scarcity:
+            self.demand.observe(request.lora_name)
 
     @staticmethod
     def table_from_view(request: RouteRequest, view: Any) -> CandidateTable:
@@ -199,12 +213,14 @@ class KVRoutePolicy(Policy):
         return table
 
     def choose_from(
-        self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0, key: int = 0
+        self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0, key: int = 0,
+        slots: Sequence[float] | None = None,
     ) -> RouteDecision:
         """The decision for a request of ``num_tokens`` tokens over ``table``: estimate
         the owners, settle a clear owner at once, else compute every TTFT, filter the
         admissible, pick an owner within its slack, else place the request (``key``
-        breaks exact ties: ``_tie``)."""
+        breaks exact ties: ``_tie``; ``slots``: each candidate's adapter slot price,
+        ``adapter_sets.slot_price``, and only the cheapest stay)."""
         n = num_tokens
         est = self._estimate(table, n, block_size)
         qlen = table.queue_len
@@ -215,7 +231,9 @@ class KVRoutePolicy(Policy):
         kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
         top = est.top
         blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
-        if top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit) and not (blocked and blocked[top]):
+        cheap = None if slots is None else [c < 1.0 for c in slots] if min(slots) < 1.0 else [c == min(slots) for c in slots]
+        if (top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit)
+                and not (blocked and blocked[top]) and (cheap is None or cheap[top])):  # fmt: skip
             if self._clear_owner(est, n, saturated):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
         own = [n] * len(qlen)
@@ -228,10 +246,13 @@ class KVRoutePolicy(Policy):
         if blocked is not None:  # no free adapter slot: the request would wait for running ones to finish
             free = [not b for b in blocked] if ok is None else [a and not b for a, b in zip(ok, blocked)]
             ok = free if any(free) else ok
+        if cheap is not None:  # a slot taken from an adapter still in use: the cheapest slots win over load
+            both = cheap if ok is None else [a and b for a, b in zip(ok, cheap)]
+            ok = both if any(both) else cheap
         best = min(ts) if ok is None else min(compress(ts, ok))
         pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:
-            pick = self._place(table, est, ts, ok, best, num_blocks, key)
+            pick = self._place(table, est, ts, ok, best, num_blocks, key, slots)
         c = est.cached.get(pick, 0)
         return RouteDecision(table.candidates[pick], est.held.get(pick, c), _reason(c, est.longest))
 
@@ -320,7 +341,7 @@ class KVRoutePolicy(Policy):
 
     def _place(
         self, table: CandidateTable, est: "_Estimate", ts: list[float], ok: list[bool] | None, best: float,
-        num_blocks: int, key: int,
+        num_blocks: int, key: int, slots: Sequence[float] | None = None,
     ) -> int:
         """No owner eligible: a new prefix goes to the roomiest cache among the
         admissible near-best (those with the request's adapter resident first, if any),
@@ -333,6 +354,9 @@ class KVRoutePolicy(Policy):
             cold = table.adapter_cold
             if cold is not None and len(eligible) > 1:  # a slot load evicts another adapter: avoid it when near-equal
                 eligible = [i for i in eligible if not cold[i]] or eligible
+                if slots is not None and cold[eligible[0]]:  # no copy near-best: the least live demand resident
+                    low = min(slots[i] for i in eligible)
+                    eligible = [i for i in eligible if slots[i] == low]
             if len(eligible) > 1:
                 rooms = table.room(eligible)
                 high = max(rooms) - self.fill_slack * num_blocks
