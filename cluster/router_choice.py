@@ -1,5 +1,8 @@
 """Which of the application's router actors a process asks, in what order (no Ray here:
-``request_router.py`` and ``deploy/workers.py`` drive it).
+``ranker.py``, for the Serve request router, and ``deploy/workers.py`` drive it). The
+spills and failovers of a call are counted where its caller says: the request router
+counts each call's into its decision (``RouteDecision.spills`` / ``.failovers``), the
+workers ingress into its own counts.
 
 Every process orders the routers the same way, the application's order. While the
 first router keeps up, every decision of every ingress is made by that one router,
