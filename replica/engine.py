@@ -20,6 +20,9 @@ from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvroute.replica.logits_constraints import EngineConstraints
+    import torch
+
+    from kvroute.replica.scheduler import SchedulerOutput
     from kvroute.replica.lora.slots import AdapterSlots
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,8 @@ class Engine:
                 f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
             )
+        if params.prompt_logprobs is not None and self.config.emulate is not None:
+            raise ValueError("prompt_logprobs needs a model's logits; the emulated engine has none")
         if type(route_ticket) is not int or route_ticket < 0:
             raise ValueError(f"route_ticket must be a non-negative int, got {route_ticket!r}")
         self._check_lora(lora_name)
@@ -315,6 +320,9 @@ class Engine:
                 self.telemetry.observe_restores(tokens, seconds)
             self.scheduler.update_after_step(sched)
             sampling_rows = [r for r in sched.rows if r.samples]
+            if logits is not None and logits.shape[0] > len(sampling_rows):
+                self._record_prompt_logprobs(sched, logits[len(sampling_rows) :])
+                logits = logits[: len(sampling_rows)]
             if sampling_rows:
                 sampled = self.sampler(
                     logits,
@@ -329,6 +337,27 @@ class Engine:
             self.telemetry.observe_step(sched, time.perf_counter() - t0)
         return StepOutput(deltas, self.telemetry.events(), sched.num_tokens, len(sched.rows))
 
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Each prompt position a step computed for a request that wants prompt logprobs:
+        the logprob of the prompt token it predicts, in the runner's ``prompt_rows``
+        order (a position recomputed after preemption is not recorded twice)."""
+        from kvroute.replica.sampler import token_logprobs
+
+        taken = 0
+        for row in sched.rows:
+            req = row.request
+            k = req.params.prompt_logprobs
+            count = min(row.num_computed + row.num_new, req.num_prompt_tokens - 1) - row.num_computed
+            if k is None or count <= 0:
+                continue
+            first = row.num_computed + 1  # the prompt position the chunk's first logits predict
+            targets = req.prompt_token_ids[first : first + count]
+            found = token_logprobs(logits[taken : taken + count], targets, [k] * count)
+            taken += count
+            known = len(req.prompt_logprobs)  # positions [0, known) are recorded
+            if first <= known < first + count:
+                req.prompt_logprobs.extend(found[known - first :])
+
     def _refuse(self, req: Request, reason: str) -> TokenDelta:
         """End a request whose grammar cannot run (its compile failed or ran past the time
         limit, or a resumed token does not match it): "abort", the reason as stop_reason."""
@@ -341,7 +370,8 @@ class Engine:
         p = req.params
         req.append_token(token)
         grammar = None if req.constraints is None else req.constraints.accept(token)
-        if req.first_token_time is None:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = time.monotonic()
         if logprob is not None:
             if req.logprobs is None:
@@ -379,6 +409,7 @@ class Engine:
             max(req.num_cached_tokens, 0),
             stop_reason,
             req.num_host_cached_tokens,
+            req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -133,7 +133,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns the logits ``[num_sampling_rows, vocab]`` (the model's
-        dtype) of the rows whose chunk reaches their last known token, in row order.
+        dtype) of the rows whose chunk reaches their last known token, in row order,
+        followed by those of the positions whose next token is a prompt token of a
+        request that wants prompt logprobs (``_StepInputs.prompt_rows`` order).
 
         The step's host-tier copies start first (``replica/host_copies.py``: on CUDA
         they run on their own streams) and the forward pass waits for them only after
@@ -149,7 +151,7 @@ class ModelRunner:
             layout = [(qsl[i], row.num_new, row.request.lora_name) for i, row in enumerate(step.rows)]
             if self.lora.lay_out(layout, dev):
                 graphs = None
-        if graphs is not None and inputs.decode_only and len(step.rows) <= graphs.max_batch:
+        if graphs is not None and inputs.decode_only and not inputs.prompt_rows and len(step.rows) <= graphs.max_batch:
             b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)
             if copies is not None:
                 copies.join()
@@ -172,12 +174,15 @@ class ModelRunner:
         if copies is not None:
             copies.join()
         hidden = self._forward(ids, pos, meta)  # [T, hidden]
-        return self._logits(hidden, inputs.logit_rows)
+        prompt = [first + j for _, first, count in inputs.prompt_rows for j in range(count)]
+        return self._logits(hidden, inputs.logit_rows, prompt)
 
-    def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:  # [len(logit_rows), vocab]
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int], prompt_rows: list[int] = ()) -> torch.Tensor:
+        """``[len(logit_rows) + len(prompt_rows), vocab]``: those positions' logits."""
+        logit_rows = logit_rows + list(prompt_rows)
         if not logit_rows:
             return torch.empty((0, self.arch.vocab_size), dtype=self.dtype, device=self.device)
-        if len(logit_rows) == hidden.shape[0]:  # decode: every row samples, in order
+        if len(logit_rows) == hidden.shape[0] and not prompt_rows:  # decode: every row samples, in order
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
@@ -195,6 +200,8 @@ class _StepInputs:
         self.seq_lens: list[int] = []
         self.context_lens: list[int] = []
         self.logit_rows: list[int] = []
+        # (row, first position in the step, count): positions predicting a prompt token
+        self.prompt_rows: list[tuple[int, int, int]] = []
         self.tables = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
         bs = block_size
         for i, row in enumerate(rows):
@@ -212,6 +219,10 @@ class _StepInputs:
             self.query_start_loc.append(self.query_start_loc[-1] + end - start)
             self.seq_lens.append(end)
             self.context_lens.append(start)
+            if row.request.params.prompt_logprobs is not None:
+                count = min(end, row.request.num_prompt_tokens - 1) - start
+                if count > 0:
+                    self.prompt_rows.append((i, self.query_start_loc[-2], count))
             if row.samples:
                 self.logit_rows.append(self.query_start_loc[-1] - 1)
 

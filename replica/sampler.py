@@ -310,16 +310,29 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * num_rows
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            idx = torch.tensor(want, device=device)
-            lp = torch.log_softmax(raw[idx], dim=1)  # [n_want, vocab], raw distribution
-            chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in want], device=device))
-            chosen_l = chosen.squeeze(1).tolist()
-            k = max(rows[i].params.logprobs or 0 for i in want)
-            if k > 0:
-                top_v, top_i = lp.topk(min(k, lp.shape[1]), dim=1)  # sorted, largest first
-                top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-            for j, i in enumerate(want):
-                n = rows[i].params.logprobs or 0
-                top = {top_i_l[j][m]: top_v_l[j][m] for m in range(min(n, len(top_i_l[j])))} if n else {}
-                logprobs[i] = TokenLogprob(token_ids[i], chosen_l[j], top)
+            found = token_logprobs(
+                raw[torch.tensor(want, device=device)],
+                [token_ids[i] for i in want],
+                [rows[i].params.logprobs or 0 for i in want],
+            )
+            for i, lp in zip(want, found):
+                logprobs[i] = lp
         return SamplerOutput(token_ids, logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
+    """Row *i*'s logprob of ``token_ids[i]`` under ``log_softmax(logits[i])`` (the raw
+    distribution) and its ``num_top[i]`` most likely tokens: what sampled tokens and
+    prompt tokens report alike."""
+    lp = torch.log_softmax(logits.float(), dim=1)
+    chosen = lp.gather(1, torch.tensor(list(token_ids), device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(num_top, default=0), lp.shape[1])
+    top_v: list[list[float]] = [[] for _ in chosen]
+    top_i: list[list[int]] = [[] for _ in chosen]
+    if k > 0:
+        v, ix = lp.topk(k, dim=1)  # sorted, largest first
+        top_v, top_i = v.tolist(), ix.tolist()
+    return [
+        TokenLogprob(t, c, {top_i[j][m]: top_v[j][m] for m in range(min(n, k))})
+        for j, (t, c, n) in enumerate(zip(token_ids, chosen, num_top))
+    ]
