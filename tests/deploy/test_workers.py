@@ -124,6 +124,28 @@ def test_completions_and_chat_streamed_or_not_pass_the_workers_answers_through(f
         client.completions.create(model="another-model", prompt="x", max_tokens=2)
 
 
+def test_the_ingress_validates_a_forwarded_request_as_any_other(fleet):
+    """The workers' backend gets the request the OpenAI layer prepared: every check of
+    the engine path refuses a bad one at the ingress (our words, before any worker)."""
+    client = _client(fleet["url"])
+    cases = [
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=1, best_of=2), "best_of"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1), "echo"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}),
+         "min_tokens"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=200_000), "max_tokens"),
+        (lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "Hi"}], max_tokens=2,
+                                                extra_body={"continue_final_message": True}), "continue_final_message"),
+    ]  # fmt: skip
+    for call, param in cases:
+        with pytest.raises(openai.BadRequestError) as exc:
+            call()
+        body = exc.value.body
+        assert body["param"] == param, body
+        if param == "max_tokens":  # past the ingress's context length, not only the worker's KV blocks
+            assert body["code"] == "context_length_exceeded" and "num_kv_blocks" not in body["message"], body
+
+
 def _delivered(fleet) -> float:
     """``kvroute:reuse_tokens{figure="delivered"}``: the cached tokens the workers reported
     on requests the router predicted."""
