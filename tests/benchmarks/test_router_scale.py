@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 
-
 from kvroute.benchmarks.cli import main as bench
 from kvroute.benchmarks import router_scale
 
 
 def test_a_small_sweep_covers_every_variant_and_reports_the_targets(tmp_path):
-    assert bench(["router_scale", "--ingresses", "1,4", "--scenarios", "zipf", "--loads", "0.85", "--scale", "0.1",
-                              "--out-dir", str(tmp_path)]) == 0  # fmt: skip
+    assert bench(["router_scale", "--ingresses", "1,4", "--scenarios", "zipf", "--loads", "0.85", "--scale", "0.05",
+                  "--len-scale", "0.5", "--out-dir", str(tmp_path)]) == 0  # fmt: skip
     out = json.loads((tmp_path / "router_scale.json").read_text())
     rows = {(r["ingresses"], r["variant"]): r for r in out["rows"]}
     assert set(rows) == {(i, v) for i in (1, 4) for v in router_scale.VARIANTS}
