@@ -192,7 +192,7 @@ def _serve_replica(args: argparse.Namespace) -> int:
 
 def serve_app_args(args: argparse.Namespace):
     """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``."""
-    from kvroute.deploy.app import parse_args, router_choice
+    from kvroute.deploy.app_config import parse_args, router_choice
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
