@@ -142,7 +142,7 @@ class RouterService:
         return True
 
     def report_load(self, replica_id: str, load: LoadFigures) -> bool:
-        """An external worker's load figures (``deploy/worker_pool.py`` polls its
+        """An external worker's load figures (``cluster/worker_pool.py`` polls its
         ``/metrics``); it counts as a sign of life. False: unknown here, register it."""
         self.last_call = time.monotonic()
         if not self.router.report_load(replica_id, load):
@@ -408,7 +408,7 @@ def kill_router_actors(app_name: str) -> int:
     prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
     names = _named_actors(lambda n: n.startswith(prefixes))
     killed = sum(kill_router_actor(n) for n in names) + kill_lora_registry(app_name)
-    for name in names:  # a pool's saved worker list (deploy/worker_pool.py)
+    for name in names:  # a pool's saved worker list (cluster/worker_pool.py)
         if name.startswith(prefixes[1]):
             delete_saved(f"worker-pool:{name}")
     return killed
