@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingress_matrix": ("ingress_matrix", "every router at I ingresses on emulated replicas, simulator beside"),
     "router_scale": ("router_scale", "routers at many ingresses, simulated"),
     "sim": ("sim.__main__", "routing policies on simulated replicas (real scheduler and KV cache, a cost model)"),
+    "scarcity": ("sim.scarcity", "kvroute against its peers where caches are scarce (KV, adapter slots), simulated"),
     "lora_fleet": ("lora_fleet", "many LoRA adapters on one fleet: simulated, or measured on emulated replicas (--emulate)"),
     "router_overhead": ("router_overhead", "the router in-process: route latency, event application rate, directory memory"),
     "router_cpu": ("router_cpu", "one router actor's CPU, replayed without Ray, per call kind (--baseline REF: before/after)"),

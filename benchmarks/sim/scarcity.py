@@ -1,6 +1,6 @@
 """kvroute against its peers where caches are scarce, in the simulator.
 
-    python -m kvroute.benchmarks.sim.scarcity [--cases b2b,lora-scarce,zipf,gsp,multi-tenant,multi-turn,failure]
+    kvroute bench scarcity [--cases b2b,lora-scarce,zipf,gsp,multi-tenant,multi-turn,failure]
         [--policies kvroute,prefix_affinity_ray] [--loads 0.85,0.95] [--kwargs '{"scarcity": false}']
         [--seed 0] [--out results/scarcity.json]
 
@@ -23,9 +23,9 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
+from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.sim.capacity import estimate_capacity
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
@@ -115,22 +115,25 @@ def line(r: dict[str, Any]) -> str:
             f"{r['tok_s']:.0f} tok/s err {r['pred_err']:.3f} loads/1k {r['loads_per_1k']:.1f} ({r['wall_s']}s)")  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.sim.scarcity", description=__doc__.split("\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default="b2b,lora-scarce")
     p.add_argument("--policies", default="kvroute,prefix_affinity_ray")
     p.add_argument("--loads", default="0.85,0.95")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the kvroute policy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/scarcity.json")
-    a = p.parse_args(argv)
+    options.add_seed(p)
+    options.add_output(p, "scarcity")
+
+
+def run(args: argparse.Namespace) -> int:
     rows = []
-    for name in a.cases.split(","):
-        rows += run_case(name, a.policies.split(","), [float(x) for x in a.loads.split(",")], json.loads(a.kwargs), a.seed)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
-    return rows
+    for name in options.csv(args.cases):
+        rows += run_case(name, options.csv(args.policies), [float(x) for x in options.csv(args.loads)], json.loads(args.kwargs),
+                         args.seed)  # fmt: skip
+    options.result_file("scarcity", args.out).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))
