@@ -327,7 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-poll-interval-s", type=float, default=1.0, help="with --workers: how often each worker's "
                    "/metrics is read")
     s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", add_help=False, help="run a benchmark: kvroute bench NAME [args] (no NAME: the list)")
+    b.add_argument("-h", "--help", action="store_true", dest="bench_list", help=argparse.SUPPRESS)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    b.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvroute.benchmarks.cli import main as bench_main
+
+    return bench_main([] if args.bench_list else args.bench_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
