@@ -1,6 +1,6 @@
 """SiLU-and-mul of the MLP (``silu(gate) * up`` for ``gate_up = [gate | up]``): torch
 reference and one Triton kernel (torch's eager path is two kernels, silu then mul, and
-on CUDA each is launch-bound at decode sizes: ~3 us each, 16-32 times a step).
+on CUDA each is launch-bound at decode sizes, and a step runs them once per layer).
 
 The kernel rounds where the eager expression does: ``silu`` computed in float32 and
 rounded to the model dtype, then the product of the two model-dtype values computed in

@@ -3,12 +3,9 @@
 One Triton program per token copies its row to the slot ``slot_mapping`` gives; a
 negative slot means "padding, write nothing" (CUDA-graph batches are padded that way).
 
-There is no separate whole-page path for page-aligned prefill chunks. One existed (a
-contiguous ``block_size``-row copy per page a chunk covers completely) and measured on
-an H100 it gave nothing: storing a 2048-token chunk into one layer took 8.8, 8.8, 11.6
-and 11.4 us by pages vs 8.6, 7.9, 11.2 and 10.4 us by slots (Llama-3.2-1B and
-Qwen3-0.6B KV shapes, block sizes 16 and 32: 0.89-0.97x as fast), and chunked prefill
-of an 8k prompt end to end took 62.5 ms with it vs 62.4 ms without.
+There is no separate whole-page path for page-aligned prefill chunks (a contiguous
+``block_size``-row copy per page a chunk covers completely): it was no faster than the
+per-token store (benchmarks/RESULTS.md), so the one path stays.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
     y: [T, out], x: [T, in], a: [slots, NR, in], b: [slots, out, NR]."""
     for slot, rows in seg.groups:
         xs = x.index_select(0, rows).float()  # [n, in]
-        # F.linear, not `xs @ a.T`: on CPU the transposed matmul took a path 10x slower
+        # F.linear, not `xs @ a.T`: on CPU the transposed matmul takes a much slower path
         delta = F.linear(F.linear(xs, a[slot].float()), b[slot].float())  # [n, out]
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 

@@ -103,9 +103,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=1)`` (the first of equal maxima) of ``[rows, cols]`` logits, in any
-    float dtype: native for bf16 on CPU, where torch's own bf16 argmax is slow (4x slower
-    than widening first, [16, 49152]), so without the native kernel bf16 is widened (exact,
-    order kept)."""
+    float dtype: native for bf16 on CPU, where torch's own bf16 argmax is slower than
+    widening first, so without the native kernel bf16 is widened (exact, order kept)."""
     native = cpu_kernels.argmax_rows(x) if _native() else None
     if native is not None:
         return native
@@ -163,10 +162,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     only, so a CUDA graph captured for a batch size stays valid. ``KVROUTE_DECODE_SPLITS``
     overrides it.
 
-    Tuned with ``python -m kvroute.benchmarks.kernels`` on an H100 (132 SMs; Llama-3.2-1B
-    and Qwen3-0.6B shapes, 8 KV heads, contexts 1k and 8k): batch 1 is fastest at 8-16
-    slices (8k context: 179 -> 25 us), batch 16 (128 programs, one wave) at 4 (1k: 36 -> 26
-    us, 8k: 198 -> 114 us), batch 64 and 256 (4 and 16 waves) without splitting.
+    Tuned with ``kvroute bench kernels`` (figures: benchmarks/RESULTS.md): a batch that
+    fills less than one wave splits, one of several waves does not.
     """
     forced = os.environ.get("KVROUTE_DECODE_SPLITS")
     if forced:

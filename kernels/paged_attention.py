@@ -82,7 +82,7 @@ def paged_attention_reference(
             k = _gather_blocks(key_cache, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
             v = _gather_blocks(value_cache, blocks).flatten(0, 1)[:seq_len]
         # 4-D inputs with K/V repeated per query head take PyTorch's fused CPU kernel;
-        # 3-D or enable_gqa fall back to the unfused math path (3.5x slower measured).
+        # 3-D or enable_gqa fall back to the much slower unfused math path.
         group = num_heads // num_kv_heads
         q = query[q0:q1].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         k = k.transpose(0, 1).to(query.dtype)  # [num_kv_heads, seq_len, head_dim]
