@@ -150,8 +150,8 @@ def load_tokenizer(path: Path, light: bool = False) -> PreTrainedTokenizerBase:
     """The checkpoint folder's fast (Rust-backed) tokenizer, read locally (never from a hub).
 
     ``light``: the generic ``tokenizer.json`` tokenizer, without the model-specific
-    class ``AutoTokenizer`` picks (whose import pulls torch in: ~330 MB more per
-    process); the emulated engine uses it. Raises ValueError when transformers cannot
+    class ``AutoTokenizer`` picks (whose import pulls torch into the process); the
+    emulated engine uses it. Raises ValueError when transformers cannot
     build a fast tokenizer from the folder.
     """
     if light:

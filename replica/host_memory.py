@@ -18,8 +18,8 @@ def keep_freed_memory() -> bool:
 
     A forward pass allocates and frees the same activation-sized buffers every layer;
     with glibc's defaults each one is a fresh mmap whose pages fault in on first touch,
-    which profiling showed costing several times the copy itself (a 26 MB KV gather:
-    4.7 ms -> 0.9 ms). Idempotent; returns False where glibc is not available.
+    which can cost more than the copy itself (figures: benchmarks/RESULTS.md).
+    Idempotent; returns False where glibc is not available.
     """
     global _done
     if _done:

@@ -34,7 +34,7 @@ def pick_device(name: str) -> torch.device:
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 wherever the hardware multiplies it natively (CUDA; CPUs with AVX512-BF16
-        # or AMX, where bf16 matmuls measured 4.6x fp32); fp32 elsewhere.
+        # or AMX, where bf16 matmuls are much faster than fp32); fp32 elsewhere.
         native = device.type == "cuda" or cpu_capability.current().native_bf16_matmul
         return torch.bfloat16 if native else torch.float32
     return _TORCH_DTYPES[name]
@@ -189,8 +189,8 @@ class ModelRunner:
 
 class _StepInputs:
     """A step's forward inputs as host lists, built in one pass over its rows; block
-    tables as one zero-padded ``int32`` array (filled row by row: a tensor per row cost
-    ~12 us each, most of a batch-64 decode step's host time)."""
+    tables as one zero-padded ``int32`` array (filled row by row: a tensor per row was
+    most of a large decode step's host time)."""
 
     def __init__(self, rows: Sequence, block_size: int) -> None:
         self.input_ids: list[int] = []

@@ -113,9 +113,9 @@ class PackedLinear(nn.Module):
     A bf16 Linear on a CPU where oneDNN cannot reorder bf16 (``cpu_capability``: no
     AVX512-BW/VL/DQ nor AVX-NE-CONVERT, e.g. AVX2-only) is packed in fp32 instead: the
     input widened (exact), the products summed in fp32 as a bf16 GEMM sums them, the
-    output rounded to bf16 once. On AVX2 (SmolLM2-135M's Linears, one thread) that is
-    3.3x F.linear in bf16 at 16 rows and 4.6x at 256, 0.5x at one row (it reads twice the
-    weight bytes, and torch's bf16 matrix-vector product is fast)."""
+    output rounded to bf16 once. On AVX2 that beats F.linear in bf16 from a few rows up
+    and loses at one row, where it reads twice the weight bytes against torch's fast bf16
+    matrix-vector product (figures: benchmarks/RESULTS.md)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -194,10 +194,10 @@ class DecoderForCausalLM(nn.Module):
     def pack_linears_for_cpu(self) -> None:
         """On CPU (bf16 and fp32) every Linear multiplies with its weight prepacked once for
         oneDNN. bf16: the same results as F.linear (bit for bit without a bias, within one
-        ulp with one), 1.4-1.9x faster at decode batch sizes; without oneDNN's bf16
-        reorder, packed in fp32 (``PackedLinear``). fp32: F.linear goes to MKL, which on AMD
-        CPUs takes a path at half the AVX-512 rate; oneDNN reaches 2.0-3.8x F.linear there
-        (the same values up to the summation order)."""
+        ulp with one), faster at decode batch sizes; without oneDNN's bf16 reorder, packed
+        in fp32 (``PackedLinear``). fp32: F.linear goes to MKL, which on AMD CPUs takes a
+        path at half the AVX-512 rate; oneDNN's is faster there (the same values up to the
+        summation order; figures: benchmarks/RESULTS.md)."""
         for name, module in list(self.named_modules()):
             if isinstance(module, nn.Linear) and _packable(module.weight):
                 parent, _, child = name.rpartition(".")
