@@ -62,9 +62,8 @@ class _RouterLink:
     saw a gap. A router standing by (one that has not ranked lately: the ingresses ask
     the first router while it keeps up) answers a push with how long it can wait
     (``standby_push_s``); unless it is this replica's first router that answers, the
-    link then holds its changes that long, folding them into one push. Eight routers fed
-    every change cost 16 emulated replicas 0.3 cores more than one router did, and the
-    routers 0.36 cores more, on a 2-core box.
+    link then holds its changes that long, folding them into one push: feeding every
+    router every change costs replicas and routers CPU for views nobody reads.
     """
 
     def __init__(self, replica: "EngineReplica", actor: Any) -> None:

@@ -11,8 +11,8 @@ others stand by hot (they hear every replica's events and every decision, so any
 them can take over at once). Routers that each took the decisions of their own
 ingresses (by pid, as first built) placed worse: each missed the others' last decisions
 for the time they took to arrive (the peer lag), and lagging routers send the same
-requests to the same idle replica. Measured on 16 emulated H100 replicas at 8
-ingresses: ARCHITECTURE.md §3.3.
+requests to the same idle replica (ARCHITECTURE.md §3.3; figures:
+benchmarks/RESULTS.md).
 
 The routers share the work when one cannot keep up. A router is passed over for the
 next one while it is busy:

@@ -24,11 +24,11 @@ seconds, queued prefill) come:
   the first one (and until a quarter of a window has passed) it is 0 and the router uses the fleet's mean or its defaults
   (``router/load_view.py``).
 
-The pool reads every worker's page every poll, and a vLLM page is ~50 KB of series the
-pool never reads (per-request histograms' buckets, HTTP and process metrics): parsing
-all of it with ``prometheus_client`` cost ~10 ms per page. ``parse_load`` keeps only the
+The pool reads every worker's page every poll, and most of a vLLM page is series the
+pool never reads (per-request histograms' buckets, HTTP and process metrics), which a
+whole parse with ``prometheus_client`` would pay for. ``parse_load`` keeps only the
 lines of the dozen series it needs (a prefix test per line, then the exact name) and
-reads those by hand, ~70x cheaper (``benchmarks/worker_pool_cpu.py``).
+reads those by hand (``kvroute bench worker_pool_cpu``; figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ request needs there), ``best`` is the smallest TTFT. An owner whose TTFT is with
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
 a new prefix goes to the roomiest cache among the near-best, anything else to ``best``.
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
-another holds), ``load`` (a shorter one). Why each rule, and what it measured:
-``router/POLICIES.md``.
+another holds), ``load`` (a shorter one). Why each rule: ``router/POLICIES.md``.
 """
 
 from __future__ import annotations
@@ -372,9 +371,7 @@ def _tie(tied: list[int], qlen: Sequence[int], key: int) -> int:
     request's first block hash). Several routers whose views agree but lag each other
     would all take the first of a tie (every idle replica, say) and pile onto it; by
     the key they spread different prefixes over the tie, and agree, unseen, on where
-    one new prefix goes. Simulated, 16 H100 replicas at 0.85 load, 8 routers 2 ms apart
-    (the first of a tie before): hit / p90 against one router, zipf 0.889 x / 1.93 x ->
-    0.970 x / 1.19 x, multi-tenant 0.875 x / 2.65 x -> 0.997 x / 1.09 x."""
+    one new prefix goes (figures: benchmarks/RESULTS.md)."""
     if len(tied) > 1:
         short = min(map(qlen.__getitem__, tied))
         tied = [i for i in tied if qlen[i] == short]
