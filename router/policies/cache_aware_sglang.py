@@ -23,8 +23,8 @@ https://github.com/sgl-project/sglang):
 Defaults are those of the sglang-router CLI we benchmark (``python -m
 sglang_router.launch_router --help``, 0.3.x): ``cache_threshold=0.3``,
 ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``, ``max_tree_size=2**26``
-characters (here blocks). Before 2026-11-25 this model took the router guide's older
-0.5 / 32 / 1.0001 / 2**24.
+characters (here blocks). The router guide's older defaults (0.5 / 32 / 1.0001 /
+2**24) are not the CLI's.
 
 Approximations (ours): the tree is over full-block hashes instead of characters
 (``approx_tree.ApproxPrefixTree``), so match length and tree size are in blocks and a

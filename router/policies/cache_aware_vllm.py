@@ -19,7 +19,7 @@ current head; the wheel benchmarked is 0.1.17, whose CLI defaults are the same):
    (Session keys from headers and chat histories are not used by completions.)
 
 Rule 2's recency is, we believe, what separates it from SGLang's router on salted
-tenants (measured: hit rate 0.909 vs 0.672, router/POLICIES.md): tenants that share a
+tenants (router/POLICIES.md has the measured hit rates): tenants that share a
 system prompt's text (each with its own ``cache_salt``) all follow the worker that last
 took that text, so their salted prefixes stay together on one worker and mostly hit;
 SGLang's tree returns an arbitrary tenant of the node, which scatters them.
