@@ -9,11 +9,14 @@ does. Range checks live here so a bad field is a 400 naming the field, never a 5
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from kvroute.deploy.tool_serving import ToolPlan
 
 MAX_STOP_SEQUENCES = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API (vLLM allows 20)
@@ -256,6 +259,20 @@ class PreparedRequest:
     logprobs: Optional[int]  # top logprobs per output token (None: no logprobs)
     echo: list[str]  # per prompt, the text returned in front of its choices (completions' echo)
     body: bytes
+    # Tool calling (chat): how each choice's text reads back as content and tool_calls;
+    # None when the request needs no tool handling (no tools, or tool_choice none).
+    tools: Optional["ToolPlan"] = None
+    # vLLM's prompt_logprobs: each choice of the answer carries a prompt_logprobs list
+    # (None: not asked for). The engine's params carry the same number.
+    prompt_logprobs: Optional[int] = None
+    # Completions echo with logprobs: the answer's logprobs start with the prompt's
+    # tokens (the first one's logprob null), then the generated ones.
+    echo_logprobs: bool = False
+    # Echo with max_tokens 0: the engine ran one token, which the answer drops (text,
+    # logprobs); usage's completion_tokens is 0.
+    echo_only: bool = False
+    # stream_options.continuous_usage_stats: every streamed chunk carries usage.
+    continuous_usage: bool = False
 
     @property
     def path(self) -> str:
