@@ -10,36 +10,15 @@ by name from ``PROFILES``.
 
 ``context_tokens`` is the KV the decode rows read (sum of their context lengths).
 
-Two calibrations here, and the measured profiles of ``step_profiles/*.json`` (one per
-card and model shape, written by ``python -m kvroute.benchmarks.gpu_engine --cost-model
---shapes ... --save-profiles DIR``; each file names its card, date and command):
+Three profiles are written here and the others are read from ``step_profiles/*.json``
+(one per card and model shape, written by ``kvroute bench gpu_engine --cost-model
+--shapes ... --save-profiles DIR``; each file names its card, date and command).
+Where each constant comes from: benchmarks/RESULTS.md, "Step profiles".
 
-``gpu_h100_llama3_8b`` (H100 80GB HBM3, Llama-3-8B shape, bf16): this repo's engine,
-measured with ``python -m kvroute.benchmarks.gpu_engine --cost-model`` on a lent H100 on
-2026-11-23 (random weights through the real loader; decode steps replayed from the
-engine's CUDA graphs, 2 warm-up + 10 timed steps, medians):
-  - decode steps over batch 1-128 x context 256-4,096 fitted by least squares:
-    overhead 7.46 ms (batch 1 at 256 context: 7.12 ms; the 16.06 GB of weights at the
-    3.0 TB/s the card's copy reaches take 5.3 ms), 14.9 us per sequence, 54.6 ns per
-    context token read (32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB per token);
-    worst point off the fit by 16%. Batch 64 at 2k context: 15.1 ms measured.
-  - prefill, one prompt of 256-4,096 tokens, less that overhead: 38,700 tokens/s
-    (2,048 tokens: 56.7 ms; 4,096: 115.7 ms).
-  - KV capacity: 90% of 80 GiB less the weights and 4 GiB of activations, at 128 KiB per
-    token: 428k tokens = 26,779 blocks of 16.
-  - host tier copies: 50.3 GB/s host -> device, measured through the engine's restore
-    path (``gpu_engine --restore``: pinned host blocks -> staging -> scatter) on a lent
-    H200 on 2026-11-26, whose PCIe Gen5 x16 link the H100 machines share; 128 KiB per
-    token, so a 6k-token prefix restores in 16 ms against 155-190 ms of prefill.
-  (The constants assumed before this measurement, from public figures: 6 ms, 100 us per
-  sequence, 50 ns per context token, 15,000 prefill tokens/s, 26,800 blocks.)
-
-``cpu_measured`` (this repo's engine, SmolLM2-135M on the 2-core CI machine), from
-results/offline.json when present: prefill tokens/s = ``prefill.tokens_per_s``
-(604.7); decode: the offline run's decode time = ``ours.seconds - prefill.seconds``
-over ``output_len`` steps of batch ``num_requests`` (26.4 s / 64 steps = 0.41 s per
-step at batch 64), split into 20 ms overhead + the rest per sequence (6.1 ms);
-attention term folded into the per-sequence cost (0).
+- ``gpu_h100_llama3_8b``: this engine on an H100 80GB HBM3, Llama-3-8B shape, bf16.
+- ``cpu_measured``: this engine on the machine that runs it, from
+  ``results/offline.json`` (``kvroute bench offline``) when present, else defaults.
+- ``cpu_avx2_slow``: a slow AVX2-only CPU, on which one long prompt stalls its replica.
 """
 
 from __future__ import annotations
@@ -105,7 +84,7 @@ class StepProfile:
 
 # A LoRA adapter on every linear of Llama-3-8B, per rank, bf16: per layer (in + out) of
 # q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate and up 4096+14336, down 14336+4096
-# = 81,920 values, x 32 layers x 2 bytes (rank 16: 84 MB, 1.7 ms at 50.3 GB/s).
+# = 81,920 values, x 32 layers x 2 bytes (rank 16: 84 MB).
 LLAMA3_8B_LORA_BYTES_PER_RANK = 81_920 * 32 * 2
 
 
@@ -144,12 +123,9 @@ def cpu_measured(path: str | Path = "results/offline.json") -> StepProfile:
 
 
 def cpu_avx2_slow() -> StepProfile:
-    """SmolLM2-135M in fp32 on a user's AVX2-only 2-core EPYC, where a long prompt
-    stalled its replica: a 6,525-token prompt took 49.1 s and a 5-token request 0.4 s;
-    the offline run decoded 54.6 tok/s at batch 64 (1.17 s a step). The split between
-    tokens and attention pairs is from this repo's 2-core EPYC forced to AVX2 (a 6.5k
-    prompt's last 512-token chunk took 2.8 x its first), which with the 49.1 s gives
-    3.64 ms a token and 1.18 us a pair."""
+    """SmolLM2-135M in fp32 on a slow AVX2-only CPU, where one long prompt stalls its
+    replica for tens of seconds; prefill priced per token and per attention pair
+    (benchmarks/RESULTS.md)."""
     return StepProfile(
         "cpu_avx2_slow", 0.05, 275.0, 0.0175, 1.18e-6, kv_blocks_per_replica=2048, max_model_len=8192,
         prefill_s_per_pair=1.18e-6, source="a user's AVX2 EPYC (49.1 s for 6,525 tokens), split measured here",
