@@ -1,4 +1,4 @@
-"""The README's Ray-cluster flow, as a new user runs it: ``ray get-auth-token
+"""The Ray-cluster flow of docs/cluster.md, as a new user runs it: ``ray get-auth-token
 --generate``, ``ray start --head``, then (in a
 shell with ``RAY_AUTH_MODE=token``, which Ray 2.60's token authentication needs)
 ``serve run deploy/serve.yaml`` answering a completion and ``ray job submit`` of a small
@@ -118,7 +118,7 @@ def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
     ports = {name: free_port() for name in ("gcs", "dashboard", "http", "client", "agent", "agent_grpc", "metrics", "env_agent")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env |= {"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # The README's first step: a token file, so that `ray start` turns token auth on.
+    # docs/cluster.md's first step: a token file, so that `ray start` turns token auth on.
     token = _run([str(BIN / "ray"), "get-auth-token", "--generate"], env, 60)
     assert token.returncode == 0 and (Path.home() / ".ray" / "auth_token").exists(), token.stderr
     start = _run(
