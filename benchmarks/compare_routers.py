@@ -28,7 +28,7 @@ plots (``ttft_cdf.png``, ``hit_rate.png``, ``ttft_vs_rate.png``).
 
 Locally (starts a Ray cluster):
     kvroute bench compare_routers --gsp-num-groups 16 ...
-As a Ray job (``ray start --head --num-cpus 4``; Ray 2.60 token auth, see the README):
+As a Ray job (``ray start --head --num-cpus 4``; Ray 2.60 token auth, see docs/cluster.md):
     RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks compare_routers ...
 """
 
