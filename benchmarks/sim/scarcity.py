@@ -7,7 +7,9 @@
 Cases (all virtual time, ``benchmarks/sim``): ``b2b`` is llm-d's B2B on 16 replicas
 with the shared prefixes at 73 % of the fleet's KV (``fleet_matrix``'s scenario, scale
 0.5); ``lora-scarce`` is ``lora_zipf`` on 4 replicas with 4 adapter slots each and 16
-adapters; the others are ``fleet_matrix``'s scenarios on 16 replicas at the profile's
+adapters; ``mooncake`` replays the synthetic Mooncake-format trace of the tests
+(``tests/fixtures/mooncake_small.jsonl``, 64 tokens per id) on 4 replicas with its
+timestamps compressed to the load and 400 KV blocks per replica; the others are ``fleet_matrix``'s scenarios on 16 replicas at the profile's
 KV. ``--kwargs`` (JSON) goes to the ``kvroute`` policy only, so one invocation compares
 a rule switched on and off (``--policies kvroute,kvroute:legacy`` runs both: the
 ``legacy`` label applies ``{"scarcity": false}``). Per run: token hit rate (and the
@@ -23,15 +25,18 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.sim.capacity import estimate_capacity
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
+from kvroute.benchmarks.traces import load_mooncake
 from kvroute.replica.profiles import get_profile
 
 BLOCK_SIZE = 16
+TRACE = Path(__file__).parents[2] / "tests" / "fixtures" / "mooncake_small.jsonl"
 LABELS = {"legacy": {"scarcity": False}}  # ``policy:label`` -> kvroute kwargs
 
 
@@ -43,6 +48,7 @@ class Case:
     kv_fraction: float = 0.0  # size KV so the shared prefixes fill this share of the fleet's
     max_loras: int = 0
     fail: bool = False
+    kv_blocks: int = 0  # per replica (0: from kv_fraction or the profile)
 
 
 CASES = {
@@ -54,6 +60,7 @@ CASES = {
     "zipf": Case("zipf", {"scale": 0.5}),
     "multi-tenant": Case("multi-tenant", {"scale": 0.5}),
     "multi-turn": Case("multi-turn", {"scale": 0.5}),
+    "mooncake": Case("mooncake", {"tokens_per_id": 64, "max_output_len": 128}, replicas=4, kv_blocks=400),
     "failure": Case("generated-shared-prefix", {"scale": 0.5}, fail=True),
 }
 
@@ -61,7 +68,7 @@ CASES = {
 def case_config(case: Case, workload: W.Workload, profile: Any) -> SimConfig:
     """The fleet of ``case``: KV sized to its fraction (or the profile's), room for a
     few whole requests at least."""
-    blocks = profile.kv_blocks_per_replica
+    blocks = case.kv_blocks or profile.kv_blocks_per_replica
     if case.kv_fraction:
         prefix_blocks = workload.num_groups * (workload.shared_prefix_tokens // BLOCK_SIZE)
         blocks = math.ceil(prefix_blocks / (case.kv_fraction * case.replicas))
@@ -85,12 +92,19 @@ def run_case(name: str, policies: Sequence[str], loads: Sequence[float], kwargs:
              verbose: bool = True) -> list[dict[str, Any]]:  # fmt: skip
     case = CASES[name]
     profile = get_profile("gpu_h100_llama3_8b")
-    base = W.make_workload(case.workload, seed=seed, **case.kwargs)
+    if case.workload == "mooncake":  # the synthetic trace of the tests, its bursts compressed to the load
+        base = load_mooncake(TRACE, **case.kwargs)
+    else:
+        base = W.make_workload(case.workload, seed=seed, **case.kwargs)
     cfg = case_config(case, base, profile)
     cap = estimate_capacity(base, profile, cfg)
     rows = []
     for load in loads:
-        wl = W.with_poisson_arrivals(base, load * cap["capacity_rps"], seed=seed)
+        if case.workload == "mooncake":
+            span = max(r.arrival_s for r in base.requests)
+            wl = load_mooncake(TRACE, compression=load * cap["capacity_rps"] * span / len(base), **case.kwargs)
+        else:
+            wl = W.with_poisson_arrivals(base, load * cap["capacity_rps"], seed=seed)
         at = cfg
         if case.fail:
             mid = 0.5 * max(r.arrival_s for r in wl.requests)
