@@ -69,6 +69,7 @@ class KVRoutePolicy(Policy):
         default_adapter_load_s: float = 0.05,
         scarcity: bool = True,
         adapter_half_life: float = 256.0,
+        survival: bool = False,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -98,6 +99,7 @@ class KVRoutePolicy(Policy):
         self.default_adapter_load_s = float(default_adapter_load_s)
         self.scarcity = bool(scarcity)  # the scarcity rules: adapter slot prices (router/POLICIES.md)
         self.demand = AdapterDemand(adapter_half_life)
+        self.survival = bool(survival)  # credit a cached prefix by its chance to survive until admission
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -281,6 +283,9 @@ class KVRoutePolicy(Policy):
                     restored = c - est.on_device[i]
                     c -= round(restored * fleet_rate / (table.host_rate[i] or HOST_RATE_DEFAULT * fleet_rate))
                 cached[i] = c
+            if self.survival and table.room is not None:
+                self._survive(table, cached, n, block_size)
+            for i, c in cached.items():
                 if c > est.longest:
                     est.longest, est.top = c, i
                 elif c == est.longest:
@@ -290,6 +295,21 @@ class KVRoutePolicy(Policy):
             own = self.ttfts(waits, queued, [n - cached[i] for i in owners], [interference[i] for i in owners], fleet_rate)
             est.own_ts = dict(zip(owners, own))
         return est
+
+    @staticmethod
+    def _survive(table: CandidateTable, cached: dict[int, int], n: int, block_size: int) -> None:
+        """Each owner's cached tokens times the chance they survive until the request is
+        admitted: the blocks its queue and this request's suffix will allocate past the
+        cache's empty room are evicted from its evictable cached blocks (free, less the
+        room), and the prefix is taken to sit anywhere among those."""
+        owners = list(cached)
+        rooms = table.room(owners)  # type: ignore[misc]
+        for i, room in zip(owners, rooms):
+            free = table.free_blocks[i]
+            evict = (table.queued[i] + n - cached[i]) / block_size - max(room, 0)
+            evictable = free - max(room, 0)
+            if evict > 0 and evictable > 0 and free != inf:
+                cached[i] = round(cached[i] * max(0.0, 1.0 - evict / evictable))
 
     def _clear_owner(self, est: "_Estimate", n: int, saturated: bool) -> bool:
         """Whether the one owner with the longest prefix (admissible, nobody KV-short)
