@@ -1,9 +1,10 @@
 """The backends that stream choices: each choice of a prepared request runs as one
 engine request (``generate``), and the answer is shaped here from the merged deltas
-(``fanout`` runs them, ``responses`` shapes them). ``ClusterBackend`` (the Serve
-application's replicas, ``deploy/app.py``) and ``EngineBackend`` (one in-process engine,
-``deploy/replica_server.py``) are such backends; the external workers' backend
-(``deploy/workers.py``) forwards the request whole instead.
+(``fanout`` runs them, ``responses`` and ``stream_chunks`` shape them).
+``ClusterBackend`` (the Serve application's replicas, ``deploy/app.py``) and
+``EngineBackend`` (one in-process engine, ``deploy/replica_server.py``) are such
+backends; the external workers' backend (``deploy/workers.py``) forwards the request
+whole instead.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, AsyncIterator, Callable, Optional
 
-from kvroute.deploy import responses
+from kvroute.deploy import responses, stream_chunks
 from kvroute.deploy.fanout import Choice, Stream, collect, event_stream, run_choices
 from kvroute.deploy.protocol import Answer, PreparedRequest
 from kvroute.replica.outputs import TokenDelta
@@ -56,6 +57,6 @@ class ChoiceBackend(ABC):
             return responses.body(request, await collect(stream, self.timeout_s), self.text_of)
 
         def make_chunks(deltas: Stream) -> AsyncIterator[dict[str, Any]]:
-            return responses.chunks(request, deltas, self.text_of)
+            return stream_chunks.chunks(request, deltas, self.text_of)
 
         return await event_stream(stream, request.num_choices, make_chunks, self.timeout_s)

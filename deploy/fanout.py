@@ -54,6 +54,8 @@ class Choice:
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # one per prompt token (None first), when the request asked the engine for them
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
     outcome: RouteOutcome = RouteOutcome()  # how its routing played out (once it is known)
@@ -69,6 +71,10 @@ class Choice:
         self.text += delta.text
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            # the first token's delta brings them; a request resumed on another replica
+            # sends them again (its prompt then holds the tokens streamed so far)
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 

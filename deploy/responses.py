@@ -1,60 +1,47 @@
-"""OpenAI response bodies and stream chunks, built from finished or streaming choices.
+"""OpenAI response bodies, built from finished choices (``stream_chunks`` builds the
+streamed chunks).
 
-Pure shaping: no I/O, no engine. ``body`` and ``chunks`` shape a prepared request's
-answer, whichever API it came through. Every body of one request shares one header
-(``{id, object, created, model}``, see ``header``); the chunk builders turn the merged
-delta stream of ``fanout.run_choices`` into OpenAI's streamed chunks.
+Pure shaping: no I/O, no engine. ``body`` shapes a prepared request's answer,
+whichever API it came through. Every body of one request shares one header
+(``{id, object, created, model}``, see ``header``). What a choice carries beyond its
+text follows the request: chat ``tool_calls`` read from the text by the request's
+``ToolPlan``; logprobs (``answer_logprobs``), with echo's prompt tokens in front;
+vLLM's ``prompt_logprobs`` (per choice on completions, once per answer on chat, as vLLM
+places them). With ``echo_only`` (echo, max_tokens 0) the engine ran one token, which
+the answer drops: the text is the prompt, usage counts no completion tokens.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, Optional
 
-from kvroute.deploy.fanout import Choice, Stream
+from kvroute.deploy.answer_logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    generated_entries,
+    prompt_entries,
+    prompt_logprobs,
+)
+from kvroute.deploy.fanout import Choice
 from kvroute.deploy.protocol import PreparedRequest
-from kvroute.replica.outputs import TokenLogprob
+
+__all__ = ["TokenText", "body", "header", "usage", "running_usage"]
 
 
-def body(req: PreparedRequest, choices: list[Choice], text_of: "TokenText") -> dict[str, Any]:
+def body(req: PreparedRequest, choices: list[Choice], text_of: TokenText) -> dict[str, Any]:
     """The JSON answer to ``req`` from its finished choices."""
-    logprobs = req.logprobs is not None
     if req.chat:
-        return chat_body(header(req.request_id, "chat.completion", req.model), choices, logprobs, text_of)
-    return completion_body(header(req.request_id, "text_completion", req.model), choices, req.echo, logprobs, text_of)
-
-
-def chunks(req: PreparedRequest, stream: Stream, text_of: "TokenText") -> AsyncIterator[dict[str, Any]]:
-    """The streamed chunks of ``req``'s answer from its merged delta stream."""
-    if req.chat:
-        head = header(req.request_id, "chat.completion.chunk", req.model)
-        return chat_chunks(head, stream, len(req.params), req.include_usage, req.logprobs is not None, text_of)
-    return completion_chunks(header(req.request_id, "text_completion", req.model), stream, req.echo, req.include_usage,
-                             text_of)  # fmt: skip
+        return chat_body(req, choices, text_of)
+    return completion_body(req, choices, text_of)
 
 
 def header(rid: str, kind: str, model: str) -> dict[str, Any]:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
 
-class TokenText:
-    """One token's text, decoded once (logprobs name every token they report)."""
-
-    def __init__(self, tokenizer: Any, max_cached: int = 1_000_000) -> None:
-        self.tokenizer = tokenizer
-        self.max_cached = max_cached
-        self._text: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._text) < self.max_cached:
-                self._text[token_id] = text
-        return text
-
-
-def usage(choices: list[Choice]) -> dict[str, Any]:
+def usage(choices: list[Choice], echo_only: bool = False) -> dict[str, Any]:
     by_prompt: dict[int, list[Choice]] = {}
     for c in choices:
         by_prompt.setdefault(c.prompt_index, []).append(c)
@@ -66,7 +53,7 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     host = sum(min(c.num_host_cached_tokens for c in cs) for cs in by_prompt.values())
     if host:  # a replica with a host KV tier restored part of the cached tokens from it
         details["host_cached_tokens"] = host
-    completion = sum(len(c.token_ids) for c in choices)
+    completion = 0 if echo_only else sum(len(c.token_ids) for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -75,130 +62,67 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """One streamed chunk's usage (continuous usage stats): its choice's counts so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
 # ---------------------------------------------------------------------- completions
-def completion_body(
-    head: dict[str, Any], choices: list[Choice], echo: list[str], logprobs: bool, text_of: TokenText
-) -> dict[str, Any]:
-    return {
-        **head,
-        "choices": [
-            {
-                "index": c.index,
-                "text": echo[c.prompt_index] + c.text,
-                "logprobs": completion_logprobs(c.logprobs, len(echo[c.prompt_index]), text_of) if logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(choices),
+def completion_body(req: PreparedRequest, choices: list[Choice], text_of: TokenText) -> dict[str, Any]:
+    head = header(req.request_id, "text_completion", req.model)
+    return {**head, "choices": [completion_choice(req, c, text_of) for c in choices],
+            "usage": usage(choices, req.echo_only)}  # fmt: skip
+
+
+def completion_choice(req: PreparedRequest, c: Choice, text_of: TokenText) -> dict[str, Any]:
+    echo = req.echo[c.prompt_index]
+    out: dict[str, Any] = {
+        "index": c.index,
+        "text": echo if req.echo_only else echo + c.text,
+        "logprobs": completion_choice_logprobs(req, c, text_of),
+        "finish_reason": "length" if req.echo_only else c.finish_reason,
+        "stop_reason": None if req.echo_only else c.stop_reason,
     }
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(req.prompts[c.prompt_index], c.prompt_logprobs, text_of)
+    return out
 
 
-async def completion_chunks(
-    head: dict[str, Any], stream: Stream, echo: list[str], include_usage: bool, text_of: TokenText
-) -> AsyncIterator[dict[str, Any]]:
-    choices: dict[int, Choice] = {}
-    offsets: dict[int, int] = {}
-    async for choice, delta in stream:
-        first = choice.index not in choices
-        choices[choice.index] = choice
-        text = delta.text
-        if first and echo[choice.prompt_index]:
-            text = echo[choice.prompt_index] + text
-        start = offsets.get(choice.index, len(echo[choice.prompt_index]) if first else 0)
-        lp = None
-        if delta.logprobs:
-            lp = completion_logprobs(delta.logprobs, start, text_of)
-            offsets[choice.index] = start + sum(len(t) for t in lp["tokens"])
-        yield {
-            **head,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason,
-                }
-            ],
-        }
-    if include_usage:
-        yield {**head, "choices": [], "usage": usage(list(choices.values()))}
-
-
-def completion_logprobs(lps: list[TokenLogprob], start_offset: int, text_of: TokenText) -> dict[str, Any]:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = start_offset
-    for lp in lps:
-        s = text_of(lp.token_id)
-        tokens.append(s)
-        token_lps.append(lp.logprob)
-        tops.append({text_of(t): v for t, v in lp.top.items()})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+def completion_choice_logprobs(req: PreparedRequest, c: Choice, text_of: TokenText) -> Optional[dict[str, Any]]:
+    """A finished choice's ``logprobs``: with echo and logprobs, the prompt's tokens
+    first and offsets from the start of the prompt's text."""
+    if req.logprobs is None:
+        return None
+    entries = [] if req.echo_only else generated_entries(c.logprobs)
+    if req.echo_logprobs:
+        return completion_logprobs(prompt_entries(req.prompts[c.prompt_index], c.prompt_logprobs) + entries, 0, text_of)
+    return completion_logprobs(entries, len(req.echo[c.prompt_index]), text_of)
 
 
 # ---------------------------------------------------------------------- chat
-def chat_body(head: dict[str, Any], choices: list[Choice], logprobs: bool, text_of: TokenText) -> dict[str, Any]:
-    return {
-        **head,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": chat_logprobs(c.logprobs, text_of)} if logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(choices),
-    }
-
-
-async def chat_chunks(
-    head: dict[str, Any], stream: Stream, n: int, include_usage: bool, logprobs: bool, text_of: TokenText
-) -> AsyncIterator[dict[str, Any]]:
-    for i in range(n):  # the role comes first, once per choice
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-    choices: dict[int, Choice] = {}
-    async for choice, delta in stream:
-        choices[choice.index] = choice
-        lp = None
-        if logprobs and delta.logprobs:
-            lp = {"content": chat_logprobs(delta.logprobs, text_of)}
-        body: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        yield {
-            **head,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "delta": body,
-                    "logprobs": lp,
-                    "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason,
-                }
-            ],
-        }
-    if include_usage:
-        yield {**head, "choices": [], "usage": usage(list(choices.values()))}
-
-
-def chat_logprobs(lps: list[TokenLogprob], text_of: TokenText) -> list[dict[str, Any]]:
-    out = []
-    for lp in lps:
-        s = text_of(lp.token_id)
-        out.append(
-            {
-                "token": s,
-                "logprob": lp.logprob,
-                "bytes": list(s.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": (t := text_of(tid)), "logprob": v, "bytes": list(t.encode("utf-8"))}
-                    for tid, v in lp.top.items()
-                ],
-            }
-        )
+def chat_body(req: PreparedRequest, choices: list[Choice], text_of: TokenText) -> dict[str, Any]:
+    head = header(req.request_id, "chat.completion", req.model)
+    out: dict[str, Any] = {**head, "choices": [chat_choice(req, c, text_of) for c in choices], "usage": usage(choices)}
+    if req.prompt_logprobs is not None:  # one prompt: vLLM reports it once, beside the choices
+        out["prompt_logprobs"] = prompt_logprobs(req.prompts[0], choices[0].prompt_logprobs if choices else None, text_of)
     return out
+
+
+def chat_choice(req: PreparedRequest, c: Choice, text_of: TokenText) -> dict[str, Any]:
+    """One finished chat choice; with a tool plan its text reads back as content and
+    ``tool_calls``, and a choice that called a tool finishes with "tool_calls"."""
+    plan = req.tools
+    if plan is None:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+    else:
+        message = plan.message(c.text)
+        finish = plan.finish_reason(c.finish_reason, "tool_calls" in message)
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": {"content": chat_logprobs(c.logprobs, text_of)} if req.logprobs is not None else None,
+        "finish_reason": finish,
+        "stop_reason": c.stop_reason,
+    }
