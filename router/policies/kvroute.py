@@ -15,6 +15,12 @@ where it is loaded and its prefixes are cached, and spread when that replica is 
 A third admission rule: a candidate whose running requests hold all its adapter slots
 with other adapters takes no request of another one while some candidate can (it would
 wait for a slot, and block the requests queued behind it).
+With ``scarcity`` (the default) each cold candidate's slot is priced by what it evicts
+(``adapter_sets.slot_price``: free or dead slots below 1, a redundant copy of a much
+colder adapter 1, a live adapter's copy more); only the cheapest stay admissible, before
+the batch and KV rules, and a new adapter goes where the least live demand is resident.
+``survival`` (an option) credits an owner's cached tokens by their chance to survive the
+evictions its queue and the request's suffix cause before admission.
 
 ``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
 measured step cost: a long prompt's deep positions cost more per token than a short
