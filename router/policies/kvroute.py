@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Sequence
 
 from kvroute.router.adapter_sets import AdapterDemand, slot_price
 from kvroute.router.policy import ClusterView, Policy
+from kvroute.router.survival import survive
 from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
 
 BATCH_SLACK_REL = 1.5
@@ -290,7 +291,7 @@ class KVRoutePolicy(Policy):
                     c -= round(restored * fleet_rate / (table.host_rate[i] or HOST_RATE_DEFAULT * fleet_rate))
                 cached[i] = c
             if self.survival and table.room is not None:
-                self._survive(table, cached, n, block_size)
+                survive(table, cached, n, block_size)
             for i, c in cached.items():
                 if c > est.longest:
                     est.longest, est.top = c, i
@@ -301,21 +302,6 @@ class KVRoutePolicy(Policy):
             own = self.ttfts(waits, queued, [n - cached[i] for i in owners], [interference[i] for i in owners], fleet_rate)
             est.own_ts = dict(zip(owners, own))
         return est
-
-    @staticmethod
-    def _survive(table: CandidateTable, cached: dict[int, int], n: int, block_size: int) -> None:
-        """Each owner's cached tokens times the chance they survive until the request is
-        admitted: the blocks its queue and this request's suffix will allocate past the
-        cache's empty room are evicted from its evictable cached blocks (free, less the
-        room), and the prefix is taken to sit anywhere among those."""
-        owners = list(cached)
-        rooms = table.room(owners)  # type: ignore[misc]
-        for i, room in zip(owners, rooms):
-            free = table.free_blocks[i]
-            evict = (table.queued[i] + n - cached[i]) / block_size - max(room, 0)
-            evictable = free - max(room, 0)
-            if evict > 0 and evictable > 0 and free != inf:
-                cached[i] = round(cached[i] * max(0.0, 1.0 - evict / evictable))
 
     def _clear_owner(self, est: "_Estimate", n: int, saturated: bool) -> bool:
         """Whether the one owner with the longest prefix (admissible, nobody KV-short)

@@ -75,3 +75,22 @@ def test_a_cold_adapter_does_not_evict_one_still_requested(scarcity):
     tokens = list(range(50_000, 50_000 + 67))
     d = r.route(hash_blocks(SPEC, tokens, lora_name="w"), len(tokens), lora_name="w")
     assert d.replica_id == ("r0" if scarcity else "r1")
+
+
+def test_survival_credits_a_prefix_by_the_evictions_ahead_of_it():
+    """Two owners of the same 64-block prefix: r0's cache has room for the suffix and
+    its queue, r1's empty room is 0, so its queue and the suffix evict from its 800
+    evictable cached blocks first, and its credit falls with the share they take."""
+    from kvroute.router.survival import survive
+    from kvroute.router.types import CandidateTable, ReplicaLoad
+
+    loads = [ReplicaLoad(capacity_blocks=1000, kv_usage=0.0, queued_prefill_tokens=0),
+             ReplicaLoad(capacity_blocks=1000, kv_usage=0.2, queued_prefill_tokens=16 * 400)]  # fmt: skip
+    rooms = {0: 900, 1: 0}  # r1: every free block holds a cached prefix
+    table = CandidateTable.from_loads(["r0", "r1"], [64, 64], loads, lambda pos: [rooms[i] for i in pos])
+    cached = {0: 1024, 1: 1024}
+    survive(table, cached, 1024 + 16 * 400, 16)  # r1 evicts 400 + 400 of its 800 free blocks
+    assert cached == {0: 1024, 1: 0}
+    cached = {0: 1024, 1: 1024}
+    survive(table, cached, 1024 + 16 * 100, 16)  # 400 + 100 of 800: 3/8 survive
+    assert cached == {0: 1024, 1: 384}
