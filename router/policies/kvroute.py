@@ -76,6 +76,7 @@ class KVRoutePolicy(Policy):
         default_adapter_load_s: float = 0.05,
         scarcity: bool = True,
         adapter_half_life: float = 256.0,
+        adapter_hysteresis: float = 2.0,
         survival: bool = False,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
@@ -106,6 +107,7 @@ class KVRoutePolicy(Policy):
         self.default_adapter_load_s = float(default_adapter_load_s)
         self.scarcity = bool(scarcity)  # the scarcity rules: adapter slot prices (router/POLICIES.md)
         self.demand = AdapterDemand(adapter_half_life)
+        self.adapter_hysteresis = float(adapter_hysteresis)  # a copy evicts one only this many times colder per copy
         self.survival = bool(survival)  # credit a cached prefix by its chance to survive until admission
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
@@ -194,7 +196,7 @@ class KVRoutePolicy(Policy):
         if self.scarcity and request.lora_name is not None and table.adapter_cold is not None and any(table.adapter_cold):
             loads = [view.load(r) for r in request.candidates]
             slots = slot_price(request.lora_name, [ld.resident_loras for ld in loads], [ld.max_loras for ld in loads],
-                               self.demand)  # fmt: skip
+                               self.demand, self.adapter_hysteresis)  # fmt: skip
         return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes), key, slots)
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
