@@ -25,6 +25,7 @@ from kvroute.deploy.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvroute.deploy.request_fields import field_of
 from kvroute.deploy.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,14 @@ def _openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def models() -> dict[str, Any]:
         return await serving.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict[str, Any]:
+        return await serving.model_card(model_id)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return serving.version()
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         return PlainTextResponse(await serving.load_lora_adapter(body))
@@ -152,12 +161,18 @@ def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
     first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     param = _param_of(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None:  # a check over several fields names the one it is about first
+        param = field_of(msg)
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body is empty; send a JSON object"
+    elif first.get("type") == "extra_forbidden":
+        message = f"{param}: unknown field; kvroute does not implement it (docs/api.md lists the fields it takes)"
     elif param is None and first.get("type") == "model_attributes_type":
         message = "the request body must be a JSON object, sent as Content-Type: application/json"
+    elif param and not msg.startswith(f"{param}:"):
+        message = f"{param}: {msg}"
     else:
-        message = f"{param}: {msg}" if param else msg
+        message = msg
     others = sorted({_field_of(e) for e in errors} - {_field_of(first)})
     if others:
         message += f" (also invalid: {', '.join(others)})"

@@ -139,7 +139,7 @@ class OpenAIIngress:
         name = parsed.llm_configs[0].model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
         self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, self.parts.backend, limits, aliases,
-                                     self.parts.adapters)  # fmt: skip
+                                     self.parts.adapters, parsed.ingress.tool_config())  # fmt: skip
         self.reporter = IngressReporter(self.router_actors, self.accuracy, self.parts.routing_stats)
 
     async def check_health(self) -> None:

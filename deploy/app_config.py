@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvroute.cluster.config import REQUEST_ROUTERS, ROUTER_CHOICES, ClusterConfig
 from kvroute.cluster.worker_state import WorkerSpec
 from kvroute.deploy.serving import ServerLimits
+from kvroute.deploy.tool_serving import ToolServingConfig
 from kvroute.replica.config import EngineConfig
 
 # request_router_class values: our short names (REQUEST_ROUTERS), or the classes' import paths.
@@ -114,8 +115,10 @@ class LLMConfig(_Strict):
 
 
 class IngressSpec(ServerLimits):
-    """The HTTP ingress deployment: its request limits (``ServerLimits``' fields) and
-    its own replicas."""
+    """The HTTP ingress deployment: its request limits (``ServerLimits``' fields), its
+    own replicas, and the chat template and tool-call settings vLLM takes as
+    ``--chat-template`` (the template's text, a file on the ingress's node, or a shipped
+    template's name), ``--tool-call-parser`` and ``--enable-auto-tool-choice``."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
@@ -126,6 +129,13 @@ class IngressSpec(ServerLimits):
     max_replicas_per_node: Optional[int] = Field(
         default=None, ge=1, description="1: at most one ingress per node, so each node's proxy has its own and a "
         "node's loss cuts only the streams that entered there")  # fmt: skip
+    chat_template: Optional[str] = Field(default=None, min_length=1)
+    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = False
+
+    def tool_config(self) -> ToolServingConfig:
+        """The ingress's tool settings (ValueError naming the bad one)."""
+        return ToolServingConfig.from_flags(self.chat_template, self.tool_call_parser, self.enable_auto_tool_choice)
 
 
 def ingress_limits(parsed: "AppArgs") -> ServerLimits:

@@ -37,7 +37,11 @@ def load_chat_template(value: str) -> str:
     """``--chat-template VALUE``: a file's text, a shipped template's name
     (``chatml_tools``), or the template itself when VALUE holds Jinja (as vLLM takes it)."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # the template's text itself, too long for a file name
+        is_file = False
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

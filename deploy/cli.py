@@ -170,6 +170,12 @@ def _add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
 
 
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    from kvroute.deploy.tool_serving import add_tool_args
+
+    add_tool_args(p)
+
+
 def _limits(args: argparse.Namespace):
     from kvroute.deploy.serving import ServerLimits
 
@@ -180,13 +186,15 @@ def _limits(args: argparse.Namespace):
 def _serve_replica(args: argparse.Namespace) -> int:
     from kvroute.deploy.kv_event_publisher import KVEventsConfig
     from kvroute.deploy.replica_server import serve_replica
+    from kvroute.deploy.tool_serving import tool_config_from_args
     from kvroute.replica.config import EngineConfig
 
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
     config = EngineConfig(model=args.model, replica_id=args.replica_id, **_engine_kwargs(args))
     limits = _limits(args)
+    tools = tool_config_from_args(args)
     print(f"kvroute: serving {args.model} on http://{args.host}:{args.port}/v1 (one engine, Ctrl-C stops)", flush=True)
-    serve_replica(config, args.host, args.port, limits, args.served_model_name, kv_events)
+    serve_replica(config, args.host, args.port, limits, args.served_model_name, kv_events, tools)
     return 0
 
 
@@ -214,7 +222,8 @@ def serve_app_args(args: argparse.Namespace):
             }
         ],
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
-                    "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas},
+                    "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas,
+                    **_tool_ingress_args(args)},
     }  # fmt: skip
     if args.dynamic_lora_path is not None:  # serve.yaml's lora_config (enable_lora implied)
         app["llm_configs"][0]["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_path,
@@ -228,6 +237,16 @@ def serve_app_args(args: argparse.Namespace):
     parsed = parse_args(app)
     parsed.cluster_config()  # the engine settings' own checks, before anything starts
     return parsed
+
+
+def _tool_ingress_args(args: argparse.Namespace) -> dict:
+    """The tool flags as the ingress's args; the template travels as its text, so the
+    ingress need not find the file on its own node."""
+    from kvroute.deploy.tool_serving import tool_config_from_args
+
+    config = tool_config_from_args(args)  # checks the flags here, before anything starts
+    return {"chat_template": config.chat_template, "tool_call_parser": config.tool_call_parser,
+            "enable_auto_tool_choice": config.enable_auto_tool_choice}  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -299,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("serve-replica", help="serve one engine over the OpenAI API (no Ray)")
     _add_engine_args(r)
     _add_server_args(r, port=8001)
+    _add_tool_args(r)
     r.add_argument("--replica-id", default="replica-0")
     r.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV events as vLLM does, same keys: "
@@ -308,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a local Ray cluster with N engine replicas, the router and the OpenAI API")
     _add_engine_args(s)
     _add_server_args(s, port=8000)
+    _add_tool_args(s)
     s.add_argument("--replicas", type=int, default=2)
     s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
     s.add_argument("--num-routers", type=int, default=1,

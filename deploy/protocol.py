@@ -2,61 +2,49 @@
 field), the conversion to the engine's ``SamplingParams``, and ``PreparedRequest``, what
 ``OpenAIServing`` makes of a request once it passed every check.
 
-Only what we serve is modelled; unknown fields are ignored, as OpenAI's own server
-does. Range checks live here so a bad field is a 400 naming the field, never a 500.
+Only what we serve is modelled; an unknown field is a 400 naming it, as OpenAI's own
+API answers (``deploy/request_fields.py``: ``null`` as the default, the short list of
+fields accepted with no effect, structured outputs, vLLM's logits fields). Range checks
+live here so a bad field is a 400 naming the field, never a 500.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kvroute.deploy.request_fields import LogitsFields, NoEffectFields, NullableModel, StructuredFields, Text
+from kvroute.deploy.tool_calls import ToolChatMessage, ToolFields
 from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from kvroute.deploy.tool_serving import ToolPlan
 
 MAX_STOP_SEQUENCES = 16
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API (vLLM allows 20)
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS  # vLLM's cap (OpenAI's legacy API stops at 5)
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 TokenIds = list[StrictInt]
 
 
-def _unicode(v: str) -> str:
-    """JSON may spell an unpaired UTF-16 surrogate (``"\\ud800"``); Python keeps it in a
-    str, but no tokenizer or UTF-8 encoder takes it."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"contains an unpaired UTF-16 surrogate (U+{ord(v[exc.start]):04X} at character {exc.start}); "
-            "text must be valid Unicode"
-        ) from None
-    return v
+class StreamOptions(NullableModel):
+    """``include_usage`` defaults to true once ``stream_options`` is given (vLLM's
+    default); ``continuous_usage_stats``: every chunk carries the usage so far."""
+
+    include_usage: StrictBool = True
+    continuous_usage_stats: StrictBool = False
 
 
-# Every text field of a request: what reaches the tokenizer, the detokenizer's stop
-# matching, the block hash (cache_salt) or a response.
-Text = Annotated[str, AfterValidator(_unicode)]
-
-
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-
-
-class _SamplingFields(BaseModel):
+class _SamplingFields(NullableModel, NoEffectFields, StructuredFields, LogitsFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[Text] = None
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: StrictInt = Field(default=-1, ge=-1)
+    top_k: StrictInt = Field(default=-1, ge=-1)  # 0 or -1: off (vLLM)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     n: StrictInt = Field(default=1, ge=1)
     stop: Optional[Union[Text, list[Text]]] = None
@@ -69,17 +57,9 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[Text] = None
     cache_salt: Optional[Text] = Field(default=None, min_length=1, max_length=256)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -98,13 +78,24 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop_token_ids must be >= 0")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int], seed_offset: int = 0) -> SamplingParams:
+    @model_validator(mode="after")
+    def _stream_fields(self) -> "_SamplingFields":
+        """vLLM's rules: stream_options only with stream; prompt_logprobs not streamed."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int], seed_offset: int = 0, **extra: Any) -> SamplingParams:
         """The engine's parameters for one choice (``n`` is fanned out above the engine:
-        choice *i* samples with ``seed + i`` so the choices differ but stay reproducible)."""
+        choice *i* samples with ``seed + i`` so the choices differ but stay reproducible).
+        ``extra``: the ``SamplingParams`` fields the caller resolved (structured output,
+        prompt logprobs, special tokens)."""
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
+        fields = dict(
             n=1,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -122,19 +113,28 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            **self.logits_params(),
         )
+        return SamplingParams(**(fields | extra))
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM sends usage in every chunk only when usage is included at all."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[Text, list[Text], TokenIds, list[TokenIds]]
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=0)  # 0: only with echo (the prompt, scored)
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     suffix: Optional[Text] = None
     best_of: Optional[StrictInt] = None
+    add_special_tokens: StrictBool = True
 
     @field_validator("prompt")
     @classmethod
@@ -150,6 +150,17 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         return v
 
+    @model_validator(mode="after")
+    def _max_tokens_zero(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 only with echo=true: the prompt alone, e.g. to score it)")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo with ``max_tokens`` 0: the engine runs one token, the answer drops it."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt as a list of single prompts (text or token ids)."""
         p = self.prompt
@@ -160,60 +171,36 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatCompletionRequest(ToolFields, _SamplingFields):
+    """Chat with tools (``ToolFields``: tools, tool_choice, parallel_tool_calls) and the
+    conversation's tool calls and results (``ToolChatMessage``)."""
 
-    type: Literal["text"]
-    text: Text
+    model_config = ConfigDict(extra="forbid")
 
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[Text, list[ContentPart]]] = None
-    name: Optional[Text] = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ToolChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False  # the template adds them (vLLM's default)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def num_logprobs(self) -> Optional[int]:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them (text content; ``developer`` is a system turn)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(NullableModel):
     model: Optional[Text] = None
     prompt: Optional[Text] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ToolChatMessage]] = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(NullableModel):
     model: Optional[Text] = None
     tokens: list[StrictInt]
 

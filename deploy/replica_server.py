@@ -19,6 +19,7 @@ from kvroute.deploy.choices import ChoiceBackend
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
 from kvroute.deploy.serving import OpenAIServing, ServerLimits
+from kvroute.deploy.tool_serving import ToolServingConfig
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine, EngineStats
@@ -58,9 +59,10 @@ class EngineBackend(ChoiceBackend):
 
 def build_replica_server(
     config: EngineConfig, limits: ServerLimits = ServerLimits(), served_model_name: Optional[str] = None,
-    kv_events: KVEventsConfig = KVEventsConfig(),
+    kv_events: KVEventsConfig = KVEventsConfig(), tool_config: ToolServingConfig = ToolServingConfig(),
 ) -> tuple[FastAPI, AsyncEngine]:
-    """The ASGI app of one engine, and the engine (loaded here, before serving)."""
+    """The ASGI app of one engine, and the engine (loaded here, before serving).
+    ``tool_config``: the chat template and tool-call parser (``--chat-template``, ...)."""
     engine = Engine(config)
     async_engine = AsyncEngine(engine)
     if kv_events.enabled:
@@ -78,6 +80,7 @@ def build_replica_server(
         limits,
         served_model_aliases=() if name == config.model else (config.model,),
         adapters=async_engine if config.enable_lora else None,
+        tool_config=tool_config,
     )
     replica_id = config.replica_id
 
@@ -127,9 +130,10 @@ def _probe_routes(app: FastAPI, async_engine: AsyncEngine, config: EngineConfig,
 
 
 def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimits, served_model_name: Optional[str] = None,
-                  kv_events: KVEventsConfig = KVEventsConfig()) -> None:  # fmt: skip
+                  kv_events: KVEventsConfig = KVEventsConfig(),
+                  tool_config: ToolServingConfig = ToolServingConfig()) -> None:  # fmt: skip
     """Load the engine and serve until interrupted (Ctrl-C stops cleanly)."""
     import uvicorn
 
-    app, _ = build_replica_server(config, limits, served_model_name, kv_events)
+    app, _ = build_replica_server(config, limits, served_model_name, kv_events, tool_config)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -21,6 +21,8 @@ from typing import Any, Optional, Protocol, Sequence, Union
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvroute import __version__
+from kvroute.deploy.chat_template import ChatRenderer
 from kvroute.deploy.errors import APIError, bad_request
 from kvroute.deploy.protocol import (
     Answer,
@@ -31,9 +33,12 @@ from kvroute.deploy.protocol import (
     PreparedRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
-    template_messages,
 )
+from kvroute.deploy.request_fields import field_of
+from kvroute.deploy.tool_calls import template_messages
+from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
 from kvroute.replica.sampling_params import SamplingParams
+from kvroute.replica.structured_output import COMPILE_TIMEOUT_S, GrammarCache, StructuredOutput, validate
 
 __all__ = ["Backend", "OpenAIServing", "ServerLimits"]
 
@@ -63,6 +68,8 @@ class ServerLimits(BaseModel):
     max_n: int = Field(default=16, ge=1)
     request_timeout_s: Optional[float] = Field(default=600.0, gt=0)
     api_key: Optional[str] = Field(default=None, min_length=1)
+    structured_output_timeout_s: float = Field(default=COMPILE_TIMEOUT_S, gt=0,
+                                               description="a grammar that compiles slower is refused (400)")
 
 
 class AdapterHost(Protocol):
@@ -97,8 +104,13 @@ class OpenAIServing:
         limits: ServerLimits = ServerLimits(),
         served_model_aliases: Sequence[str] = (),
         adapters: Optional[AdapterHost] = None,
+        tool_config: ToolServingConfig = ToolServingConfig(),
     ) -> None:
         self.adapters = adapters
+        self.tool_config = tool_config
+        self.renderer = ChatRenderer(tokenizer, tool_config.chat_template)
+        self._grammars: Optional[GrammarCache] = None
+        self._grammar_lock = asyncio.Lock()
         self.model_name = model_name
         self.model_names = (model_name, *served_model_aliases)
         self.tokenizer = tokenizer
@@ -130,6 +142,17 @@ class OpenAIServing:
                 for name, path in adapters.items()
             ],
         }
+
+    async def model_card(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{id}`` (Ray Serve LLM's route): the card, or a 404 naming it."""
+        for card in (await self.models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+
+    @staticmethod
+    def version() -> dict[str, str]:
+        return {"version": __version__}
 
     async def _lora_modules(self) -> dict[str, str]:
         return {} if self.adapters is None else await self.adapters.list_loras()
@@ -186,9 +209,7 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = await asyncio.to_thread(
-                self._chat_ids, template_messages(req.messages), req.add_generation_prompt, False, "messages"
-            )
+            ids = await asyncio.to_thread(self._chat_ids, req, None)
         else:
             ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
@@ -207,74 +228,139 @@ class OpenAIServing:
         return await self.backend.answer(await self.prepare_chat(req, body))
 
     async def prepare_completion(self, req: CompletionRequest, body: bytes) -> PreparedRequest:
+        """Echo with logprobs asks the engine for the prompt's logprobs (vLLM: the
+        ``logprobs`` count, or ``prompt_logprobs`` when larger); echo with ``max_tokens``
+        0 runs one token, which the answer drops (``echo_only``)."""
         lora = await self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(
                 f"prompt holds {len(prompts)} prompts; at most {self.limits.max_prompts} are allowed", param="prompt"
             )
         # Tokenizing a prompt near the body limit takes seconds: off the event loop.
-        token_lists, echo = await asyncio.to_thread(self._prompt_ids, prompts, req.echo)
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs)
+        token_lists, echo = await asyncio.to_thread(self._prompt_ids, prompts, req)
+        structured = await self._structured_output(req)
+        max_tokens = 1 if req.echo_only else req.max_tokens if req.max_tokens is not None else 16
+        echo_logprobs = req.echo and req.logprobs is not None
+        prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_logprobs else req.prompt_logprobs
+        params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs, structured_output=structured,
+                                         prompt_logprobs=prompt_logprobs)  # fmt: skip
         return PreparedRequest(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
                                prompts=token_lists, params=params, lora_name=lora, cache_salt=req.cache_salt,
                                stream=req.stream, include_usage=req.include_usage, logprobs=req.logprobs, echo=echo,
-                               body=body)  # fmt: skip
+                               body=body, prompt_logprobs=req.prompt_logprobs, echo_logprobs=echo_logprobs,
+                               echo_only=req.echo_only, continuous_usage=req.continuous_usage)  # fmt: skip
 
-    def _prompt_ids(self, prompts: list[Union[str, list[int]]], echo: bool) -> tuple[list[list[int]], list[str]]:
-        """Token ids of each prompt (text or ids, checked by pydantic), and the text echo
-        returns in front of each choice."""
+    def _prompt_ids(self, prompts: list[Union[str, list[int]]], req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt (text or ids, checked by pydantic; truncated as
+        ``truncate_prompt_tokens`` asks), and the text echo returns in front of each choice."""
         token_lists: list[list[int]] = []
         for i, p in enumerate(prompts):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
+            ids = self._truncate(ids, req.truncate_prompt_tokens)
             self._check_ids(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             token_lists.append(ids)
-        return token_lists, [self.tokenizer.decode(ids) if echo else "" for ids in token_lists]
+        return token_lists, [self.tokenizer.decode(ids) if req.echo else "" for ids in token_lists]
 
     async def prepare_chat(self, req: ChatCompletionRequest, body: bytes) -> PreparedRequest:
+        """Tools: ``plan_tools`` decides what the template shows and, for ``required`` or
+        a named function, the structured output that forces the call (which excludes a
+        ``response_format``); the plan goes to the backend, which reads the calls back."""
         lora = await self.check_model(req.model)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
-        ids = await asyncio.to_thread(
-            self._chat_ids, template_messages(req.messages), req.add_generation_prompt, req.continue_final_message, "messages"
-        )
-        self._check_ids(ids, "messages")
+        try:
+            plan = plan_tools(self.tool_config, req)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=field_of(str(exc), "tool_choice")) from None
+        requested = await self._structured_output(req)
+        if plan.forced and requested is not None:
+            raise bad_request(f"{requested.field}: cannot be combined with tool_choice {req.choice_label()}, which "
+                              "constrains the output to the tool call", param=requested.field)  # fmt: skip
+        structured = requested if requested is not None else await self._validated(plan.structured_output())
+        ids = await asyncio.to_thread(self._chat_ids, req, plan.tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, self.max_model_len - len(ids))
         try:
             num_logprobs = req.num_logprobs()
         except ValueError as exc:
             raise bad_request(str(exc), param="top_logprobs") from None
-        params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens")
+        params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens",
+                                         structured_output=structured, prompt_logprobs=req.prompt_logprobs,
+                                         skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens)  # fmt: skip
         return PreparedRequest(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
                                prompts=[ids], params=params, lora_name=lora, cache_salt=req.cache_salt,
                                stream=req.stream, include_usage=req.include_usage, logprobs=num_logprobs, echo=[""],
-                               body=body)  # fmt: skip
+                               body=body, tools=plan if plan.choice != "none" else None,
+                               prompt_logprobs=req.prompt_logprobs, continuous_usage=req.continuous_usage)  # fmt: skip
 
     # ------------------------------------------------------------------ validation
-    def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, param: str) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions", param=param)
+    def _chat_ids(self, req: Union[ChatCompletionRequest, TokenizeRequest], tools: Optional[list[dict[str, Any]]]) -> list[int]:
+        """The templated conversation's token ids (``chat_template_kwargs`` as template
+        variables; ``add_special_tokens`` also adds the tokenizer's own, as vLLM does),
+        truncated as ``truncate_prompt_tokens`` asks."""
+        kwargs = getattr(req, "chat_template_kwargs", None)
         try:
-            out = self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final,
-                tokenize=True,
-            )
-        except TemplateError as exc:  # a template that rejects the conversation (roles, order)
-            raise bad_request(f"the chat template rejected the messages: {exc}", param=param) from None
-        except (TypeError, ValueError) as exc:  # what the tokenizer could not take; say so, not its internals
+            messages = template_messages(req.messages or [])
+            if req.add_special_tokens and isinstance(req, ChatCompletionRequest):
+                text = self.renderer.render(messages, tools, req.add_generation_prompt, req.continue_final_message,
+                                            kwargs, tokenize=False)  # fmt: skip
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
+            else:
+                ids = self.renderer.render(messages, tools, req.add_generation_prompt,
+                                           getattr(req, "continue_final_message", False), kwargs)  # fmt: skip
+        except ValueError as exc:
+            raise bad_request(str(exc), param=field_of(str(exc), "messages")) from None
+        except (TypeError, TemplateError) as exc:  # what the tokenizer could not take; say so, not its internals
             log.warning("chat template/tokenizer failed on the messages: %r", exc)
-            raise bad_request("the messages could not be tokenized with the model's chat template", param=param) from None
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+            raise bad_request("the messages could not be tokenized with the model's chat template", param="messages") from None
+        ids = self._truncate(list(ids), getattr(req, "truncate_prompt_tokens", None))
+        self._check_ids(ids, "messages")
+        return ids
+
+    def _truncate(self, ids: list[int], keep: Optional[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the prompt's last ``keep`` tokens (-1:
+        the model's context length)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens={keep} exceeds the model's context length of "
+                              f"{self.max_model_len} tokens", param="truncate_prompt_tokens")  # fmt: skip
+        return ids[-keep:]
+
+    async def _structured_output(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutput]:
+        """The request's structured output, parsed and compiled against this model's
+        vocabulary within the time limit (400 naming the field otherwise)."""
+        try:
+            so = req.structured_output()
+        except ValueError as exc:
+            raise bad_request(str(exc), param=field_of(str(exc), "response_format")) from None
+        return await self._validated(so)
+
+    async def _validated(self, so: Optional[StructuredOutput]) -> Optional[StructuredOutput]:
+        if so is None:
+            return None
+        try:
+            cache = await self._grammar_cache()
+            await asyncio.to_thread(validate, so, cache, self.limits.structured_output_timeout_s)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=field_of(str(exc), so.field)) from None
+        return so
+
+    async def _grammar_cache(self) -> GrammarCache:
+        """The ingress's compiled grammars, built on first use (reading the vocabulary
+        takes a moment; a server that never constrains output never does it)."""
+        async with self._grammar_lock:
+            if self._grammars is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                self._grammars = await asyncio.to_thread(
+                    GrammarCache, self.tokenizer, self.vocab_size, [] if eos is None else [eos],
+                    timeout_s=self.limits.structured_output_timeout_s)  # fmt: skip
+        return self._grammars
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:
         if not ids:
@@ -290,26 +376,33 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: Optional[int],
         max_tokens_param: str = "max_tokens",
+        **extra: Any,
     ) -> list[SamplingParams]:
         if req.n > self.limits.max_n:
             raise bad_request(f"n={req.n} exceeds the server's limit of {self.limits.max_n}", param="n")
+        for name, ids in req.token_ids_used().items():
+            if any(t >= self.vocab_size for t in ids):
+                raise bad_request(f"{name} token ids must be in [0, {self.vocab_size})", param=name)
         for i, ids in enumerate(token_lists):
-            if len(ids) >= self.max_model_len:
-                raise bad_request(
-                    f"the prompt{'' if len(token_lists) == 1 else f' {i}'} has {len(ids)} tokens; the model's "
-                    f"context length is {self.max_model_len} tokens, and at least one output token must fit",
-                    param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                    code="context_length_exceeded",
-                )
-            if len(ids) + max_tokens > self.max_model_len:
-                raise bad_request(
-                    f"{max_tokens_param}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the model's "
-                    f"context length of {self.max_model_len} tokens; lower {max_tokens_param} to at most "
-                    f"{self.max_model_len - len(ids)}",
-                    param=max_tokens_param,
-                    code="context_length_exceeded",
-                )
+            self._check_length(req, ids, i if len(token_lists) > 1 else None, max_tokens, max_tokens_param)
         try:
-            return [req.sampling_params(max_tokens, logprobs, seed_offset=i) for i in range(req.n)]
+            return [req.sampling_params(max_tokens, logprobs, seed_offset=i, **extra) for i in range(req.n)]
         except ValueError as exc:
-            raise bad_request(str(exc), param="min_tokens" if "min_tokens" in str(exc) else None) from None
+            raise bad_request(str(exc), param="min_tokens" if "min_tokens" in str(exc) else field_of(str(exc))) from None
+
+    def _check_length(self, req: Any, ids: list[int], index: Optional[int], max_tokens: int, max_tokens_param: str) -> None:
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"the prompt{'' if index is None else f' {index}'} has {len(ids)} tokens; the model's "
+                f"context length is {self.max_model_len} tokens, and at least one output token must fit",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        if len(ids) + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"{max_tokens_param}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the model's "
+                f"context length of {self.max_model_len} tokens; lower {max_tokens_param} to at most "
+                f"{self.max_model_len - len(ids)}",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )

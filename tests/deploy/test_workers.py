@@ -130,7 +130,10 @@ def test_the_ingress_validates_a_forwarded_request_as_any_other(fleet):
     client = _client(fleet["url"])
     cases = [
         (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=1, best_of=2), "best_of"),
-        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1), "echo"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"frobnicate": 1}),
+         "frobnicate"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"guided_regex": "(a"}),
+         "guided_regex"),
         (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}),
          "min_tokens"),
         (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=200_000), "max_tokens"),
