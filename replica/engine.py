@@ -315,6 +315,8 @@ class Engine:
             self.constraints.wait(0.01)  # nothing else to run: give a pending grammar compile time
         if not sched.empty:
             t0 = time.perf_counter()
+            # the step's token mask is built while the model runs
+            mask = None if self.constraints is None else self.constraints.step_mask_async([r.request for r in sched.rows if r.samples])
             logits = self.runner.execute(sched)
             for tokens, seconds in self.runner.take_restore_timings():
                 self.telemetry.observe_restores(tokens, seconds)
@@ -330,7 +332,7 @@ class Engine:
                         SampleRequest(r.request.params, r.request.prompt_token_ids, r.request.output_token_ids, r.request.eos_token_ids)
                         for r in sampling_rows
                     ],
-                    None if self.constraints is None else self.constraints.step_mask([r.request for r in sampling_rows]),
+                    None if mask is None else mask.result(),
                 )
                 for row, tok, lp in zip(sampling_rows, sampled.token_ids, sampled.logprobs):
                     deltas.append(self._append(row.request, tok, lp))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -103,16 +103,16 @@ class RequestConstraints:
 
     def fill(self, bitmask: torch.Tensor, index: int, output: Sequence[int]) -> None:
         """Row ``index`` of ``bitmask`` (all ones before): this request's allowed tokens."""
-        row = bitmask[index]
         if self.matcher is not None and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, index)
         if self.allowed is not None:
-            row &= self.allowed
+            bitmask[index] &= self.allowed
+        row = bitmask[index] if self.bad_words else None
         for seq in self.bad_words:
             n = len(seq) - 1
             if n == 0 or (len(output) >= n and tuple(output[len(output) - n :]) == seq[:-1]):
                 t = seq[-1]
-                row[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+                row[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF  # type: ignore[index]
 
 
 @dataclass
@@ -161,7 +161,7 @@ def step_mask(rows: Sequence[tuple[RequestConstraints | None, Sequence[int]]], v
     for j, i in enumerate(masked):
         c, output = rows[i]
         c.fill(bitmask, j, output)  # type: ignore[union-attr]
-        bitmask[j] &= vocab_row
+    bitmask &= vocab_row
     br, bc, bv = [], [], []
     for i in biased:
         for t, b in rows[i][0].bias:  # type: ignore[union-attr]
@@ -188,6 +188,7 @@ class EngineConstraints:
         self._cache: Any = None
         self._lock = threading.Lock()
         self.vocab_row = _bits(range(min(len(tokenizer), vocab_size)), vocab_size)
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="token-mask")
 
     @property
     def grammars(self) -> Any:
@@ -252,3 +253,11 @@ class EngineConstraints:
         if all(r.constraints is None for r in requests):
             return None
         return step_mask([(r.constraints, r.output_token_ids) for r in requests], self.vocab_row)
+
+    def step_mask_async(self, requests: Sequence[Any]) -> Future | None:
+        """:meth:`step_mask` on a worker thread, so it is built while the model runs the
+        step (nothing changes the matchers or the output tokens meanwhile); None when no
+        request is constrained."""
+        if all(r.constraints is None for r in requests):
+            return None
+        return self._mask_pool.submit(self.step_mask, list(requests))

@@ -229,3 +229,49 @@ def validate(so: StructuredOutput, cache: GrammarCache | None = None, timeout_s:
     so.check()
     if cache is not None:
         cache.compile(so, timeout_s)
+
+
+_VLLM_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _grammar_kind(text: Any) -> str:
+    """xgrammar EBNF (rules written ``name ::= ...``) or, otherwise, Lark (``name: ...``)."""
+    return "grammar" if isinstance(text, str) and "::=" in text else "lark"
+
+
+def from_request(response_format: Any = None, structured_outputs: Any = None, **guided: Any) -> StructuredOutput | None:
+    """The request's :class:`StructuredOutput` from its API fields, None when it asks for
+    none: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with
+    ``schema``; ``strict`` true or false, the output is held to the schema either way),
+    vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) and vLLM's older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar`` keywords (None values are ignored). A grammar is
+    EBNF when it has ``::=``, else Lark. ValueError naming the field when more than one
+    is given or one is malformed; the spec itself is checked by ``check``/``validate``."""
+    found: list[StructuredOutput] = []
+    if response_format is not None:
+        rf = response_format if isinstance(response_format, dict) else None
+        kind = rf.get("type") if rf else None
+        if kind == "json_object":
+            found.append(StructuredOutput("json_object", None, "response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")  # type: ignore[union-attr]
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise ValueError("response_format.json_schema: must be an object with a 'schema' object")
+            found.append(StructuredOutput("json", js["schema"], "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise ValueError(f"response_format: type must be text, json_object or json_schema; got {kind!r}")
+    if structured_outputs is not None:
+        given = {k: v for k, v in (structured_outputs.items() if isinstance(structured_outputs, dict) else ()) if k in _VLLM_KEYS and v not in (None, False)}
+        for key, value in given.items():
+            kind = _grammar_kind(value) if key == "grammar" else _VLLM_KEYS[key]
+            found.append(StructuredOutput(kind, None if key == "json_object" else value, f"structured_outputs.{key}"))
+    for key, value in guided.items():
+        if not key.startswith("guided_") or key[7:] not in _VLLM_KEYS:
+            raise TypeError(f"from_request() got an unexpected keyword argument {key!r}")
+        if value not in (None, False):
+            kind = _grammar_kind(value) if key == "guided_grammar" else _VLLM_KEYS[key[7:]]
+            found.append(StructuredOutput(kind, None if kind == "json_object" else value, key))
+    if len(found) > 1:
+        raise ValueError(f"only one structured output may be given; got {', '.join(so.field for so in found)}")
+    return found[0] if found else None

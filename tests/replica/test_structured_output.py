@@ -12,7 +12,7 @@ import pytest
 
 from kvroute.replica.llm import LLM
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.replica.structured_output import GrammarCache, StructuredOutput, validate
+from kvroute.replica.structured_output import GrammarCache, StructuredOutput, from_request, validate
 from tests.replica.helpers import assert_no_leak
 
 BS = 16
@@ -180,3 +180,29 @@ def test_slow_compile_is_refused_by_time_limit(llm):
 def test_invalid_spec_rejected_at_make_request(llm):
     with pytest.raises(ValueError, match="parenthesis"):
         llm.engine.make_request("x", [1, 2], SamplingParams(structured_output=StructuredOutput("regex", "(a")))
+
+
+def test_chunked_prefill_long_prompt(tiny_llama_path):
+    chunked = LLM(str(tiny_llama_path), block_size=BS, num_kv_blocks=64, max_num_batched_tokens=32, dtype="float32", device="cpu")
+    prompts = [list(range(3000, 3000 + 150)), list(range(4000, 4000 + 40))]
+    outs = chunked.generate(prompts, _json(), use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        _valid(out.text)
+
+
+def test_from_request_maps_the_api_fields():
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+    assert from_request(response_format=rf) == StructuredOutput("json", SCHEMA, "response_format.json_schema.schema")
+    assert from_request(response_format={"type": "json_object"}).kind == "json_object"
+    assert from_request(response_format={"type": "text"}) is None and from_request() is None
+    assert from_request(structured_outputs={"choice": ["a", "b"]}).spec == ("a", "b")
+    assert from_request(structured_outputs={"grammar": 'root ::= "a"'}).kind == "grammar"
+    assert from_request(guided_grammar='start: "a"').kind == "lark"
+    assert from_request(guided_regex="a+", guided_json=None).field == "guided_regex"
+    with pytest.raises(ValueError, match="only one structured output may be given; got response_format, guided_regex"):
+        from_request(response_format={"type": "json_object"}, guided_regex="a")
+    with pytest.raises(ValueError, match="response_format: type must be"):
+        from_request(response_format={"type": "yaml"})
+    with pytest.raises(ValueError, match="structured_outputs.json: the schema is not valid JSON"):
+        from_request(structured_outputs={"json": "{bad"}).check()
