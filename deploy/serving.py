@@ -3,8 +3,11 @@ once, whatever answers it.
 
 ``OpenAIServing`` is plain Python (no FastAPI, no Ray) and reads top-down per route:
 check the request against the model's limits (model name, prompt count, ``n``, context
-length, ``best_of``, ``echo``, ``continue_final_message``, ``min_tokens``), tokenize it
-once (off the event loop), and hand the ``PreparedRequest`` to the backend, which
+length, ``best_of``, ``continue_final_message``, ``min_tokens``, token ids in the
+vocabulary), plan its tools (``deploy/tool_serving.py``), compile its structured output
+(``deploy/grammar_check.py``), render and tokenize it once (off the event loop;
+truncated as ``truncate_prompt_tokens`` asks), and hand the ``PreparedRequest`` to the
+backend, which
 answers it: the Serve application's replicas and the single-engine server stream its
 choices (``deploy/choices.py``), the external workers' backend forwards it whole
 (``deploy/workers.py``).
@@ -24,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvroute import __version__
 from kvroute.deploy.chat_template import ChatRenderer
 from kvroute.deploy.errors import APIError, bad_request
+from kvroute.deploy.grammar_check import StructuredOutputCheck
 from kvroute.deploy.protocol import (
     Answer,
     ChatCompletionRequest,
@@ -38,7 +42,7 @@ from kvroute.deploy.request_fields import field_of
 from kvroute.deploy.tool_calls import template_messages
 from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.replica.structured_output import COMPILE_TIMEOUT_S, GrammarCache, StructuredOutput, validate
+from kvroute.replica.structured_output import COMPILE_TIMEOUT_S, StructuredOutput
 
 __all__ = ["Backend", "OpenAIServing", "ServerLimits"]
 
@@ -109,8 +113,7 @@ class OpenAIServing:
         self.adapters = adapters
         self.tool_config = tool_config
         self.renderer = ChatRenderer(tokenizer, tool_config.chat_template)
-        self._grammars: Optional[GrammarCache] = None
-        self._grammar_lock = asyncio.Lock()
+        self.check_structured = StructuredOutputCheck(tokenizer, vocab_size, limits.structured_output_timeout_s)
         self.model_name = model_name
         self.model_names = (model_name, *served_model_aliases)
         self.tokenizer = tokenizer
@@ -279,7 +282,7 @@ class OpenAIServing:
         if plan.forced and requested is not None:
             raise bad_request(f"{requested.field}: cannot be combined with tool_choice {req.choice_label()}, which "
                               "constrains the output to the tool call", param=requested.field)  # fmt: skip
-        structured = requested if requested is not None else await self._validated(plan.structured_output())
+        structured = requested if requested is not None else await self.check_structured(plan.structured_output())
         ids = await asyncio.to_thread(self._chat_ids, req, plan.tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, self.max_model_len - len(ids))
@@ -339,28 +342,7 @@ class OpenAIServing:
             so = req.structured_output()
         except ValueError as exc:
             raise bad_request(str(exc), param=field_of(str(exc), "response_format")) from None
-        return await self._validated(so)
-
-    async def _validated(self, so: Optional[StructuredOutput]) -> Optional[StructuredOutput]:
-        if so is None:
-            return None
-        try:
-            cache = await self._grammar_cache()
-            await asyncio.to_thread(validate, so, cache, self.limits.structured_output_timeout_s)
-        except ValueError as exc:
-            raise bad_request(str(exc), param=field_of(str(exc), so.field)) from None
-        return so
-
-    async def _grammar_cache(self) -> GrammarCache:
-        """The ingress's compiled grammars, built on first use (reading the vocabulary
-        takes a moment; a server that never constrains output never does it)."""
-        async with self._grammar_lock:
-            if self._grammars is None:
-                eos = getattr(self.tokenizer, "eos_token_id", None)
-                self._grammars = await asyncio.to_thread(
-                    GrammarCache, self.tokenizer, self.vocab_size, [] if eos is None else [eos],
-                    timeout_s=self.limits.structured_output_timeout_s)  # fmt: skip
-        return self._grammars
+        return await self.check_structured(so)
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:
         if not ids:
