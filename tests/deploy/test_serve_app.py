@@ -21,6 +21,7 @@ from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 MODEL = "tiny-served"
+TOOL_FLAGS = {"chat_template": "chatml_tools", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 
 
 def _args(model_path, app_name: str, **deployment) -> dict:
@@ -39,7 +40,7 @@ def _args(model_path, app_name: str, **deployment) -> dict:
 @pytest.fixture(scope="module")
 def app(ray_cluster, tiny_llama_path):
     name = "kvhttp"
-    parsed = parse_args(_args(tiny_llama_path, name))
+    parsed = parse_args({**_args(tiny_llama_path, name), "ingress": TOOL_FLAGS})
     serve.run(build_app(parsed), name=name, route_prefix="/")
     router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
@@ -328,3 +329,38 @@ def test_multi_request_bodies_do_not_hold_up_other_clients(app):
     assert short_s < 20, short_s  # was: 37 s and more
     assert [r.status_code for r in heavy] == [200] * 5
     assert all(r.json()["usage"]["completion_tokens"] == 120 for r in heavy[:3])
+
+
+def test_tools_json_schema_and_prompt_logprobs_through_serve(app):
+    """What the answers carry survives the replicas' path: forced tool calls (whole and
+    streamed), a JSON-schema answer, and the prompt logprobs the replica's first delta
+    brings (also as echo's logprobs)."""
+    import jsonschema
+
+    url, _, _ = app
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tz = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": tz}}]
+    ask = [{"role": "user", "content": "What time is it?"}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required", n=2, max_tokens=60)
+    for choice in r.choices:
+        [call] = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), tz)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice=named,
+                                                 max_tokens=60, stream=True))  # fmt: skip
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or ())]
+    assert deltas[0].function.name == "get_time" and chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), tz)
+    doc = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60,
+                                         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": tz}})
+    jsonschema.validate(json.loads(doc.choices[0].message.content), tz)
+    ids = httpx.post(url + "/tokenize", json={"prompt": "prompt logprobs through serve"}).json()["tokens"]
+    c = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    plp = c.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and [int(next(iter(p))) for p in plp[1:]] == ids[1:]
+    echo = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) and echo.usage.completion_tokens == 0
+    assert lp.token_logprobs[1:] == pytest.approx([next(iter(p.values()))["logprob"] for p in plp[1:]], abs=1e-4)
