@@ -64,8 +64,7 @@ SP_CASES = {
     "temperature<0": (dict(temperature=-0.5), r"temperature must be >= 0, got -0\.5"),
     "top_p=0": (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0\.0"),
     "top_p=1.5": (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1\.5"),
-    "top_k=0": (dict(top_k=0), r"top_k must be -1 \(disabled\) or >= 1, got 0"),
-    "top_k=-2": (dict(top_k=-2), r"top_k must be -1 \(disabled\) or >= 1, got -2"),
+    "top_k=-2": (dict(top_k=-2), r"top_k must be -1 or 0 \(disabled\) or >= 1, got -2"),
     "max_tokens=0": (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
     "min_tokens>max_tokens": (dict(max_tokens=4, min_tokens=5), r"min_tokens must be in \[0, max_tokens=4\], got 5"),
     "n=2": (dict(n=2), r"n must be 1 .*got 2"),
@@ -73,6 +72,11 @@ SP_CASES = {
     "logprobs=21": (dict(logprobs=21), r"logprobs must be in \[0, 20\], got 21"),
     "stop_token_ids<0": (dict(stop_token_ids=[-1]), r"stop_token_ids must be >= 0, got \[-1\]"),
 }
+
+
+def test_top_k_zero_means_no_top_k_filter():
+    """vLLM's spelling: 0 turns top-k off, as -1 does."""
+    assert SamplingParams(top_k=0).top_k == -1 == SamplingParams(top_k=-1).top_k
 
 
 @pytest.mark.parametrize("case", list(SP_CASES))
