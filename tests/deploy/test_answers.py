@@ -65,8 +65,8 @@ def _deltas(tokenizer, text: str, prompt: list[int], finish: str = "stop", logpr
     for k, tok in enumerate(ids):
         last = k == len(ids) - 1
         piece = tokenizer.decode(ids[: k + 1])[len(tokenizer.decode(ids[:k])) :]
-        out.append(TokenDelta(RequestId("r"), [tok], piece, [_lp(tok, -0.1 * (k + 1), {tok: -0.1 * (k + 1)})] if logprobs else None,
-                              finish if last else None, len(prompt), 0, None,
+        lps = [_lp(tok, -0.1 * (k + 1), {tok: -0.1 * (k + 1)})] if logprobs else None
+        out.append(TokenDelta(RequestId("r"), [tok], piece, lps, finish if last else None, len(prompt), 0, None,
                               prompt_logprobs=_prompt_lps(prompt) if with_prompt_lps and k == 0 else None))  # fmt: skip
     return out
 
@@ -120,7 +120,8 @@ def test_forced_named_call_finishes_with_stop(smollm2_tokenizer, text_of):
     prompt = smollm2_tokenizer.encode("hi")
     plan = plan_tools(ToolServingConfig(), ToolFields.model_validate(
         {"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}))  # fmt: skip
-    out = body(_request(True, [prompt], tools=plan), _finished({0: _deltas(smollm2_tokenizer, '{"tz": "UTC"}', prompt)}, 1), text_of)
+    deltas = _deltas(smollm2_tokenizer, '{"tz": "UTC"}', prompt)
+    out = body(_request(True, [prompt], tools=plan), _finished({0: deltas}, 1), text_of)
     [choice] = out["choices"]
     assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"  # OpenAI: a named call stops
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]

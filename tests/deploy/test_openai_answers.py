@@ -96,11 +96,12 @@ def _streamed(stream) -> tuple[dict[int, str], dict[int, list[dict[str, str]]], 
 # ---------------------------------------------------------------------- tool calls
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_loop(client, stream):
-    """tools -> a call -> the tool's result -> an answer that uses it."""
+    """tools -> one forced call -> the tool's result -> a final answer in content."""
     kw: dict[str, Any] = dict(model=MODEL, tools=TOOLS, temperature=0, max_tokens=150)
     if stream:
-        content, calls, finish = _streamed(client.chat.completions.create(messages=ASK, tool_choice="required",
-                                                                          parallel_tool_calls=False, stream=True, **kw))  # fmt: skip
+        stream_ = client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False,
+                                                 stream=True, **kw)  # fmt: skip
+        content, calls, finish = _streamed(stream_)
         [call] = calls[0]
         assert finish == {0: "tool_calls"} and not content[0]
         name, args, call_id = call["name"], json.loads(call["arguments"]), call["id"]
@@ -257,3 +258,21 @@ def test_prompt_logprobs_on_completions_and_chat(server, client, offline):
     chat_ids = httpx.post(server + "/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
     got = chat.model_extra["prompt_logprobs"]
     _check_prompt_logprobs(got, chat_ids, _offline_prompt_logprobs(offline, chat_ids, 1), 1, offline.tokenizer)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(client, chat):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=5, temperature=0, stream=True, stream_options=options,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    if chat:
+        got = list(client.chat.completions.create(messages=[{"role": "user", "content": "Count"}], **kw))
+    else:
+        got = list(client.completions.create(prompt="Count with me:", **kw))
+    *streamed, final = got
+    assert final.choices == [] and final.usage.completion_tokens == 5
+    prompt = final.usage.prompt_tokens
+    counts = [c.usage.completion_tokens for c in streamed]
+    assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+               for c in streamed)  # fmt: skip
+    assert counts == sorted(counts) and counts[-1] == 5 and (counts[0] == 0 if chat else counts[0] == 1)
