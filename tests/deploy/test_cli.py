@@ -116,7 +116,8 @@ def test_serve_replica_command_serves_and_stops_on_ctrl_c(tiny_llama_path):
 
     port = free_port()
     proc, lines = start_cli(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port), *ENGINE_ARGS,
-                          "--served-model-name", "tiny"], "serving")
+                          "--served-model-name", "tiny", "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes"], "serving")  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(200):  # the engine loads before uvicorn binds
@@ -128,6 +129,12 @@ def test_serve_replica_command_serves_and_stops_on_ctrl_c(tiny_llama_path):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(url + "/get_model_info").json()["is_generation"] is True
+        tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Ping?"}], "tools": [tool],
+                       "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == ["ping"]
     finally:
         output = stop_cli(proc, lines)
     assert proc.returncode == 0, output
@@ -263,6 +270,8 @@ def test_engine_flags_people_from_vllm_expect():
         (["--max-num-seqs", "0"], "max_num_seqs"),
         (["--workers", "http://127.0.0.1:8101,ftp://x"], "workers.1.url: Value error, url must be http(s)://"),
         (["--workers", "http://127.0.0.1:8101", "--router", "power_of_two"], "with --workers use kvroute or round_robin"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--chat-template", "no-such-template"], "--chat-template: 'no-such-template' is no file"),
     ],
 )
 def test_bad_serve_flags_exit_2_before_anything_starts(extra, message, capsys):
@@ -286,6 +295,17 @@ def test_serve_workers_builds_the_workers_application():
     assert [(w.url, w.kv_events_endpoint, w.replay_endpoint) for w in evented] == [
         ("http://a:8000", "tcp://a:5557", "tcp://a:5558"), ("http://b:8000", "tcp://b:5557", None)]
     assert serve_app_args(build_parser().parse_args(["serve"])).workers is None
+
+
+def test_serve_tool_flags_reach_the_ingress_args():
+    from kvroute.deploy.cli import build_parser, serve_app_args
+
+    args = build_parser().parse_args(["serve", "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes"])  # fmt: skip
+    ingress = serve_app_args(args).ingress
+    assert "<tool_call>" in ingress.chat_template  # the template's text: the ingress needs no file
+    tools = ingress.tool_config()
+    assert tools.tool_call_parser == "hermes" and tools.enable_auto_tool_choice and tools.chat_template == ingress.chat_template
 
 
 def test_serve_dynamic_lora_path_is_lora_config():
