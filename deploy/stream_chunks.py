@@ -10,6 +10,8 @@
   parser sends (content, a call's id and name, argument fragments) is a chunk; the
   engine delta's logprobs ride on the first of its chunks, the finish reason (the
   plan's: "tool_calls" once the choice called one) on the last.
+- vLLM's ``prompt_logprobs`` are not streamed (the ingress refuses them with
+  ``stream`` unless 0), as vLLM does.
 - ``continuous_usage``: every chunk carries its choice's usage so far (vLLM's
   continuous_usage_stats); with ``include_usage`` a last chunk with no choices carries
   the whole answer's usage.
@@ -26,7 +28,6 @@ from kvroute.deploy.answer_logprobs import (
     completion_logprobs,
     generated_entries,
     prompt_entries,
-    prompt_logprobs,
 )
 from kvroute.deploy.fanout import Choice, Stream
 from kvroute.deploy.protocol import PreparedRequest
@@ -78,10 +79,7 @@ def _completion_item(
     finish, stop = delta.finish_reason, delta.stop_reason
     if req.echo_only and finish is not None:
         finish, stop = "length", None
-    item = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
-    if first and req.prompt_logprobs is not None:
-        item["prompt_logprobs"] = prompt_logprobs(req.prompts[p], choice.prompt_logprobs, text_of)
-    return item
+    return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
 
 # ---------------------------------------------------------------------- chat
