@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvroute.cluster.config import REQUEST_ROUTERS, ROUTER_CHOICES, ClusterConfig
 from kvroute.cluster.worker_state import WorkerSpec
@@ -132,6 +132,12 @@ class IngressSpec(ServerLimits):
     chat_template: Optional[str] = Field(default=None, min_length=1)
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
+
+    @model_validator(mode="after")
+    def _tool_flags(self) -> "IngressSpec":
+        """The parser and auto choice agree (the template is read where the ingress runs)."""
+        ToolServingConfig(None, self.tool_call_parser, self.enable_auto_tool_choice)
+        return self
 
     def tool_config(self) -> ToolServingConfig:
         """The ingress's tool settings (ValueError naming the bad one)."""

@@ -222,3 +222,16 @@ def test_version_and_model_card(http):
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
     resp = http.get("/v1/models/gpt-9")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_serve_config_checks_the_tool_flags():
+    from kvroute.deploy.app_config import parse_args
+
+    base = {"llm_configs": [{"model_loading_config": {"model_id": "m"}}]}
+    with pytest.raises(ValueError, match="ingress: .*--enable-auto-tool-choice needs --tool-call-parser"):
+        parse_args({**base, "ingress": {"enable_auto_tool_choice": True}})
+    with pytest.raises(ValueError, match="ingress: .*unknown parser 'xml'"):
+        parse_args({**base, "ingress": {"tool_call_parser": "xml"}})
+    ingress = parse_args({**base, "ingress": {"chat_template": "chatml_tools", "tool_call_parser": "hermes",
+                                              "enable_auto_tool_choice": True}}).ingress  # fmt: skip
+    assert "<tool_call>" in ingress.tool_config().chat_template

@@ -2,7 +2,8 @@
 
 Two sources of bodies: the hostile table (tests/deploy/hostile.py: wrong types,
 NaN/Infinity/huge integers, surrogates, invalid UTF-8, nested prompt lists, bad ids,
-enormous stop lists, bodies over the limit, unknown fields, wrong content types), and
+enormous stop lists, bodies over the limit, unknown fields (a 400 naming them), bad
+logits fields and structured-output specs, tool fields, wrong content types), and
 schemathesis generating valid and invalid requests from the app's own
 ``/openapi.json`` (bounded and derandomized, so a CI run is repeatable). Whatever
 comes in: no 5xx but 503, every error in OpenAI's envelope, no answer later than the
