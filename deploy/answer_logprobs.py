@@ -104,15 +104,16 @@ def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText) -> list[dict[
 def prompt_logprobs(
     prompt_ids: Sequence[int], lps: Optional[Sequence[Optional[TokenLogprob]]], text_of: TokenText
 ) -> list[Optional[dict[int, dict[str, Any]]]]:
-    """vLLM's ``prompt_logprobs`` list for one prompt. A prompt token's rank is its place
-    among the top alternatives the engine reported; null when it is not among them."""
+    """vLLM's ``prompt_logprobs`` list for one prompt. A prompt token's rank is the
+    engine's; where the engine gave none, its place among the top alternatives (null
+    when it is not among them)."""
     out: list[Optional[dict[int, dict[str, Any]]]] = []
     for token_id, lp in prompt_entries(prompt_ids, lps):
         if lp is None:
             out.append(None)
             continue
         ranked = {tid: (rank, v) for rank, (tid, v) in enumerate(lp.top.items(), 1)}
-        rank = ranked[token_id][0] if token_id in ranked else None
+        rank = lp.rank if lp.rank is not None else ranked[token_id][0] if token_id in ranked else None
         position = {token_id: _vllm_logprob(lp.logprob, rank, text_of(token_id))}
         for tid, (r, v) in ranked.items():
             position.setdefault(tid, _vllm_logprob(v, r, text_of(tid)))

@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None  # 1-based: how many tokens are at least as likely (None: not computed)
 
 
 @dataclass(frozen=True)

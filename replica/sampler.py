@@ -322,10 +322,12 @@ class Sampler:
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
     """Row *i*'s logprob of ``token_ids[i]`` under ``log_softmax(logits[i])`` (the raw
-    distribution) and its ``num_top[i]`` most likely tokens: what sampled tokens and
-    prompt tokens report alike."""
+    distribution), its rank there and its ``num_top[i]`` most likely tokens: what
+    sampled tokens and prompt tokens report alike."""
     lp = torch.log_softmax(logits.float(), dim=1)
-    chosen = lp.gather(1, torch.tensor(list(token_ids), device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    picked = lp.gather(1, torch.tensor(list(token_ids), device=lp.device).unsqueeze(1))
+    ranks = (lp >= picked).sum(dim=1).tolist()  # 1-based; a token tied with it counts as ahead of it
+    chosen = picked.squeeze(1).tolist()
     k = min(max(num_top, default=0), lp.shape[1])
     top_v: list[list[float]] = [[] for _ in chosen]
     top_i: list[list[int]] = [[] for _ in chosen]
@@ -333,6 +335,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
         v, ix = lp.topk(k, dim=1)  # sorted, largest first
         top_v, top_i = v.tolist(), ix.tolist()
     return [
-        TokenLogprob(t, c, {top_i[j][m]: top_v[j][m] for m in range(min(n, k))})
-        for j, (t, c, n) in enumerate(zip(token_ids, chosen, num_top))
+        TokenLogprob(t, c, {top_i[j][m]: top_v[j][m] for m in range(min(n, k))}, r)
+        for j, (t, c, n, r) in enumerate(zip(token_ids, chosen, num_top, ranks))
     ]

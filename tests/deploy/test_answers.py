@@ -180,6 +180,14 @@ def test_prompt_logprobs_shape(smollm2_tokenizer, text_of):
             assert [v["rank"] for v in list(position.values())[1:]] == [1, 2]
 
 
+def test_prompt_logprobs_take_the_engines_rank(smollm2_tokenizer, text_of):
+    prompt = smollm2_tokenizer.encode("ranked tokens")
+    lps = [None] + [TokenLogprob(t, -3.0, {7: -0.1}, rank=40 + i) for i, t in enumerate(prompt[1:])]
+    out = prompt_logprobs(prompt, lps, text_of)
+    assert [p[t]["rank"] for t, p in zip(prompt[1:], out[1:])] == [40 + i for i in range(len(prompt) - 1)]
+    assert all(p[7]["rank"] == 1 for p in out[1:])
+
+
 def test_prompt_logprobs_on_completion_choices_and_once_on_chat(smollm2_tokenizer, text_of):
     prompts = [smollm2_tokenizer.encode("One two three"), smollm2_tokenizer.encode("Four five")]
     per_choice = {i: _deltas(smollm2_tokenizer, " six", prompts[i], with_prompt_lps=True) for i in range(2)}

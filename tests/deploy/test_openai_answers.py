@@ -241,6 +241,8 @@ def _check_prompt_logprobs(got: list[Any], ids: list[int], want, k: int, tokeniz
         first, entry = next(iter(position.items()))
         assert int(first) == ids[i] and entry["decoded_token"] == tokenizer.decode([ids[i]])
         assert entry["logprob"] == pytest.approx(want[i].logprob, abs=1e-3)
+        top = list(want[i].top)  # most likely first
+        assert entry["rank"] == want[i].rank >= 1 and (ids[i] not in top or entry["rank"] == top.index(ids[i]) + 1)
         ranks = sorted(e["rank"] for t, e in position.items() if int(t) != ids[i] or e["rank"] is not None)
         assert ranks[:k] == list(range(1, k + 1)) and len(position) in (k, k + 1)
 
