@@ -26,6 +26,12 @@ NO_EFFECT_FIELDS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
     "length_penalty": ((1.0,), "vLLM's beam-search length penalty; kvroute samples only"),
     "spaces_between_special_tokens": ((True,), "vLLM's detokenizer default, which kvroute's detokenizer keeps"),
     "priority": ((0,), "vLLM's priority scheduling; kvroute schedules first come, first served"),
+    # what SGLang's and vLLM's routers add to every body they forward, at these values
+    "no_stop_trim": ((False,), "SGLang's switch to keep a matched stop string; kvroute trims it, as the default does"),
+    "return_hidden_states": ((False,), "SGLang's hidden-state output; kvroute returns none"),
+    "separate_reasoning": ((True,), "SGLang's reasoning split, which needs a reasoning parser kvroute does not run"),
+    "stream_reasoning": ((True,), "SGLang's reasoning streaming, which needs a reasoning parser kvroute does not run"),
+    "include_reasoning": ((True,), "vLLM's reasoning output, which needs a reasoning parser kvroute does not run"),
 }
 
 
@@ -89,6 +95,11 @@ class NoEffectFields(BaseModel):
     length_penalty: Annotated[float, _only("length_penalty")] = 1.0
     spaces_between_special_tokens: Annotated[StrictBool, _only("spaces_between_special_tokens")] = True
     priority: Annotated[StrictInt, _only("priority")] = 0
+    no_stop_trim: Annotated[StrictBool, _only("no_stop_trim")] = False
+    return_hidden_states: Annotated[StrictBool, _only("return_hidden_states")] = False
+    separate_reasoning: Annotated[StrictBool, _only("separate_reasoning")] = True
+    stream_reasoning: Annotated[StrictBool, _only("stream_reasoning")] = True
+    include_reasoning: Annotated[StrictBool, _only("include_reasoning")] = True
 
 
 class StructuredFields(BaseModel):
