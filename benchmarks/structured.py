@@ -74,8 +74,7 @@ def first_token_s(llm: LLM, ids: list[int], so: StructuredOutput, tag: str) -> f
     return time.perf_counter() - t
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -83,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compiles", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device="cpu", kv_cache_memory_gb=2.0)
     batch = prompts(llm, args.num_requests)
     so = StructuredOutput("json", schema())
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                f"{1e3 * result['compile_s_median']:.1f} ms; first token {1e3 * result['first_token_new_schema_s']:.0f} ms "
                f"(new schema) vs {1e3 * result['first_token_cached_schema_s']:.0f} ms (cached)")  # fmt: skip
     write_result("structured", result, summary, args.out)
+    return 0
 
 
 def _parses(text: str) -> bool:
@@ -139,4 +140,6 @@ def _parses(text: str) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    from kvroute.benchmarks.cli import module_main
+
+    raise SystemExit(module_main(__spec__.name))
