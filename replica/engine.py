@@ -15,14 +15,12 @@ from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.replica.telemetry import ReplicaTelemetry
 from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
 from kvroute.replica.request import Request
+from kvroute.replica.request_checks import check_fits, check_tokens
 from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvroute.replica.logits_constraints import EngineConstraints
-    import torch
-
-    from kvroute.replica.scheduler import SchedulerOutput
     from kvroute.replica.lora.slots import AdapterSlots
 
 log = logging.getLogger(__name__)
@@ -174,38 +172,9 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("prompt must not be empty (got 0 tokens)")
-        vocab = self.arch.vocab_size
         resumed = [int(t) for t in resume_output]
-        for what, tokens in (("prompt", ids), ("resume_output", resumed)):
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{what} token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(
-                f"resume_output has {len(resumed)} tokens; it must be shorter than max_tokens={params.max_tokens}"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:5]}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's context length max_model_len={self.max_model_len}"
-            )
-        bs = self.config.block_size
-        if -(-total // bs) > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs {-(-total // bs)} KV blocks but the cache "
-                f"has only num_kv_blocks={self.kv.num_blocks} of {bs} tokens"
-            )
-        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
-            )
+        check_tokens(ids, resumed, params, self.arch.vocab_size)
+        check_fits(len(ids), params, self.max_model_len, self.kv.num_blocks, self.config)
         if params.prompt_logprobs is not None and self.config.emulate is not None:
             raise ValueError("prompt_logprobs needs a model's logits; the emulated engine has none")
         if type(route_ticket) is not int or route_ticket < 0:
@@ -322,8 +291,10 @@ class Engine:
                 self.telemetry.observe_restores(tokens, seconds)
             self.scheduler.update_after_step(sched)
             sampling_rows = [r for r in sched.rows if r.samples]
-            if logits is not None and logits.shape[0] > len(sampling_rows):
-                self._record_prompt_logprobs(sched, logits[len(sampling_rows) :])
+            if logits is not None and logits.shape[0] > len(sampling_rows):  # prompt logprobs' rows follow
+                from kvroute.replica.sampler import record_prompt_logprobs
+
+                record_prompt_logprobs(sched.rows, logits[len(sampling_rows) :])
                 logits = logits[: len(sampling_rows)]
             if sampling_rows:
                 sampled = self.sampler(
@@ -338,27 +309,6 @@ class Engine:
                     deltas.append(self._append(row.request, tok, lp))
             self.telemetry.observe_step(sched, time.perf_counter() - t0)
         return StepOutput(deltas, self.telemetry.events(), sched.num_tokens, len(sched.rows))
-
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Each prompt position a step computed for a request that wants prompt logprobs:
-        the logprob of the prompt token it predicts, in the runner's ``prompt_rows``
-        order (a position recomputed after preemption is not recorded twice)."""
-        from kvroute.replica.sampler import token_logprobs
-
-        taken = 0
-        for row in sched.rows:
-            req = row.request
-            k = req.params.prompt_logprobs
-            count = min(row.num_computed + row.num_new, req.num_prompt_tokens - 1) - row.num_computed
-            if k is None or count <= 0:
-                continue
-            first = row.num_computed + 1  # the prompt position the chunk's first logits predict
-            targets = req.prompt_token_ids[first : first + count]
-            found = token_logprobs(logits[taken : taken + count], targets, [k] * count)
-            taken += count
-            known = len(req.prompt_logprobs)  # positions [0, known) are recorded
-            if first <= known < first + count:
-                req.prompt_logprobs.extend(found[known - first :])
 
     def _refuse(self, req: Request, reason: str) -> TokenDelta:
         """End a request whose grammar cannot run (its compile failed or ran past the time

@@ -338,3 +338,24 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
         TokenLogprob(t, c, {top_i[j][m]: top_v[j][m] for m in range(min(n, k))}, r)
         for j, (t, c, n, r) in enumerate(zip(token_ids, chosen, num_top, ranks))
     ]
+
+
+def record_prompt_logprobs(rows: Sequence, logits: torch.Tensor) -> None:
+    """Each prompt position a step computed for a request that wants prompt logprobs
+    (``rows``: the step's scheduled rows; ``logits``: one row per such position, in the
+    model runner's ``prompt_rows`` order): the logprob of the prompt token it predicts,
+    appended to ``request.prompt_logprobs``. A position recomputed after preemption is
+    not recorded twice."""
+    taken = 0
+    for row in rows:
+        req = row.request
+        k = req.params.prompt_logprobs
+        count = min(row.num_computed + row.num_new, req.num_prompt_tokens - 1) - row.num_computed
+        if k is None or count <= 0:
+            continue
+        first = row.num_computed + 1  # the prompt position the chunk's first logits predict
+        found = token_logprobs(logits[taken : taken + count], req.prompt_token_ids[first : first + count], [k] * count)
+        taken += count
+        known = len(req.prompt_logprobs)  # positions [0, known) are recorded
+        if first <= known < first + count:
+            req.prompt_logprobs.extend(found[known - first :])
