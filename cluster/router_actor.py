@@ -83,14 +83,18 @@ class RouterService:
 
     def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
         """Start over with an empty directory (and optionally another policy): every
-        replica's next push is refused, so it registers again with a fresh snapshot.
-        Benchmarks call this between runs so that each router starts cold."""
+        replica's next push is refused, so it registers again with a fresh snapshot, and
+        the ingresses' counters are forgotten (a live ingress sends its totals again within
+        a second; one of a replaced application never does, so its counts cannot drop out
+        of the sums in the middle of the next run). Benchmarks call this between runs so
+        that each router starts cold."""
         if policy is not None:
             self.policy, self.policy_kwargs = policy, dict(policy_kwargs or {})
         self.router = Router(self.policy, self.hash_spec.block_size, clock=self.clock, **self.policy_kwargs)
         self._last_seen.clear()
         self._metrics.clear()
         self._staleness_s.clear()
+        self._ingresses.clear()
 
     # ------------------------------------------------------------------ replicas
     def register(
