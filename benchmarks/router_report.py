@@ -38,8 +38,11 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _share(routing: dict[str, float], figure: str) -> float | None:
+    """``figure`` per offered token over the run; None when the run offered none (no
+    kvroute prediction) or the counters went backwards (an ingress's counts left the
+    sums mid-run: no figure rather than a wrong one)."""
     offered = routing.get("reuse:offered")
-    return routing.get(f"reuse:{figure}", 0.0) / offered if offered else None
+    return routing.get(f"reuse:{figure}", 0.0) / offered if offered and offered > 0 else None
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
