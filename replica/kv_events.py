@@ -30,7 +30,14 @@ class LoadFigures:
     (measured, or its emulation profile's; 0.0: unknown or no adapters).
     ``running_loras``: the adapters of its running requests; once they are ``max_loras``
     (its slots; 0: no adapters), a request of another adapter waits until one of them
-    has no running request, and so does every request queued behind it."""
+    has no running request, and so does every request queued behind it.
+
+    ``release_s`` and ``release_blocks``: when its running request nearest its
+    ``max_tokens`` will have finished (remaining tokens × its decode step; 0.0: no
+    running request or no step measured), and the KV blocks that frees (those no other
+    request shares) less those its other running requests allocate as they decode until
+    then. A request short of free blocks there waits about that long for them; an answer
+    ending early at a stop token only shortens the wait."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -45,6 +52,8 @@ class LoadFigures:
     adapter_load_s: float = 0.0
     running_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    release_s: float = 0.0
+    release_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class ReplicaTelemetry:
         resident, load_s = ((), 0.0) if self.lora_state is None else self.lora_state()
         slots = s.config.max_loras
         running = tuple(sorted({r.lora_name for r in s.running if r.lora_name is not None})) if slots else ()
+        release_s, release_blocks = self._release()
         return LoadFigures(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
@@ -64,7 +65,27 @@ class ReplicaTelemetry:
             adapter_load_s=load_s,
             running_loras=running,
             max_loras=slots,
+            release_s=release_s,
+            release_blocks=release_blocks,
         )
+
+    def _release(self) -> tuple[float, int]:
+        """(seconds until the running request with the fewest tokens left to its
+        ``max_tokens`` finishes, the blocks only it holds less those the other running
+        requests allocate as they decode until then); (0.0, 0) with nothing running or
+        no decode step measured yet."""
+        running, step = self.scheduler.running, self.decode_step_s
+        if not running or not step:
+            return 0.0, 0
+        soonest = min(running, key=lambda r: r.params.max_tokens - r.num_output_tokens)
+        left = max(1, soonest.params.max_tokens - soonest.num_output_tokens)
+        held, size = self.kv.req_blocks, self.kv.block_size
+        freed = sum(1 for b in held.get(soonest.request_id, ()) if b.ref_cnt == 1)
+        for r in running:
+            if r is not soonest:
+                grown = r.num_tokens + min(left, r.params.max_tokens - r.num_output_tokens)
+                freed -= max(0, -(-grown // size) - len(held.get(r.request_id, ())))
+        return left * step, max(0, freed)
 
     def events(self) -> KVEvents:
         """The step's net cache changes, numbered one after the last batch."""

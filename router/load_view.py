@@ -260,8 +260,16 @@ class LoadView:
             adapter_load_s=f.adapter_load_s,
             running_loras=tuple(sorted(self.running_loras[s])),
             max_loras=f.max_loras,
+            release_s=f.release_s,
+            release_blocks=f.release_blocks,
         )
         return cached
+
+    def releases(self, getter: Callable[[list], Sequence] | None) -> tuple[list[float], list[int]]:
+        """For the candidates ``getter`` selects: each one's ``release_s`` and
+        ``release_blocks`` as last reported."""
+        figures = self._figures if getter is None else getter(self._figures)
+        return [f.release_s for f in figures], [f.release_blocks for f in figures]
 
     def figures(self, replica_id: str) -> LoadFigures:
         return self._figures[self._get(replica_id)]

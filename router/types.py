@@ -158,12 +158,14 @@ class CandidateTable:
     ``adapter_cold[i]``: the request's LoRA adapter is not resident on candidate ``i``
     (None: a base-model request), a slot load of ``adapter_load_s[i]`` seconds (0.0: unknown);
     ``adapter_blocked[i]``: it would wait there for a slot that running requests hold.
+    ``release()`` gives, when asked (a request short of KV somewhere), each candidate's
+    ``release_s`` and ``release_blocks`` as reported (``LoadFigures``; None: the view cannot tell).
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
         "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
-        "adapter_cold", "adapter_load_s", "adapter_blocked",
+        "adapter_cold", "adapter_load_s", "adapter_blocked", "release",
     )  # fmt: skip
 
     def __init__(
@@ -202,6 +204,7 @@ class CandidateTable:
         self.adapter_cold: Sequence[bool] | None = None
         self.adapter_load_s: Sequence[float] = ()
         self.adapter_blocked: Sequence[bool] | None = None
+        self.release: Callable[[], tuple[Sequence[float], Sequence[int]]] | None = None
 
     def longest(self) -> int:
         """The most leading blocks any candidate holds, counting both tiers."""
@@ -220,7 +223,7 @@ class CandidateTable:
         rate = [ld.prefill_tokens_per_s for ld in loads]
         step = [ld.decode_step_s for ld in loads]
         running = [ld.num_running for ld in loads]
-        return cls(
+        table = cls(
             candidates,
             depth,
             [ld.queued_prefill_tokens for ld in loads],
@@ -236,3 +239,5 @@ class CandidateTable:
             [ld.unpriced_tokens if ld.queued_prefill_s else ld.queued_prefill_tokens for ld in loads],
             room,
         )
+        table.release = lambda: ([ld.release_s for ld in loads], [ld.release_blocks for ld in loads])
+        return table

@@ -37,7 +37,7 @@ from kvroute.replica.profiles import get_profile
 
 BLOCK_SIZE = 16
 TRACE = Path(__file__).parents[2] / "tests" / "fixtures" / "mooncake_small.jsonl"
-LABELS = {"legacy": {"scarcity": False}}  # ``policy:label`` -> kvroute kwargs
+LABELS = {"legacy": {"scarcity": False}, "noevict": {"eviction": False}}  # ``policy:label`` -> kvroute kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,7 @@ class Case:
 CASES = {
     "b2b": Case("b2b", {"scale": 0.5}, kv_fraction=0.73),
     "b2b-over": Case("b2b", {"scale": 0.5}, kv_fraction=1.5),
+    "b2b-short": Case("b2b", {"scale": 0.5, "len_scale": 0.25, "output_len": 32}, kv_fraction=0.73),
     "lora-scarce": Case("lora-zipf", {"num_adapters": 16, "num_requests": 1024}, replicas=4, max_loras=4),
     "lora": Case("lora-zipf", {"num_requests": 2048}, max_loras=8),
     "gsp": Case("generated-shared-prefix", {"scale": 0.5}),

@@ -45,6 +45,7 @@ from operator import and_, eq, ge, le
 from typing import Any, ClassVar, Sequence
 
 from kvroute.router.adapter_sets import AdapterDemand, slot_price
+from kvroute.router.eviction import ReuseValue, eviction_seconds
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.survival import survive
 from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
@@ -78,6 +79,8 @@ class KVRoutePolicy(Policy):
         adapter_half_life: float = 256.0,
         adapter_hysteresis: float = 2.0,
         survival: bool = False,
+        eviction: bool = True,
+        reuse_half_life: float = 256.0,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -109,6 +112,8 @@ class KVRoutePolicy(Policy):
         self.demand = AdapterDemand(adapter_half_life)
         self.adapter_hysteresis = float(adapter_hysteresis)  # a copy evicts one only this many times colder per copy
         self.survival = bool(survival)  # credit a cached prefix by its chance to survive until admission
+        self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
+        self.reuse = ReuseValue(reuse_half_life)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -202,6 +207,9 @@ class KVRoutePolicy(Policy):
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         if self.scarcity:
             self.demand.observe(request.lora_name)
+        if self.eviction:
+            c = decision.expected_cached_tokens
+            self.reuse.observe(c, request.num_tokens - c)
 
     @staticmethod
     def table_from_view(request: RouteRequest, view: Any) -> CandidateTable:
@@ -250,9 +258,16 @@ class KVRoutePolicy(Policy):
         for i, c in est.cached.items():
             own[i] -= c
         ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
+        if self.eviction and table.room is not None and est.longest:  # a copy evicts as much as it computes
+            value = self.reuse.value
+            if value > 0:
+                rooms = table.room(range(len(own)))
+                ts = [t + e for t, e in zip(ts, eviction_seconds(own, table.queued, rooms, block_size, value, est.fleet_rate))]
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
-            ok = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
+            ok, kv_waits = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
+            if kv_waits is not None:  # short of blocks until a running request ends there: its wait
+                ts = [t + w for t, w in zip(ts, kv_waits)]
         if blocked is not None:  # no free adapter slot: the request would wait for running ones to finish
             free = [not b for b in blocked] if ok is None else [a and not b for a, b in zip(ok, blocked)]
             ok = free if any(free) else ok
@@ -318,22 +333,32 @@ class KVRoutePolicy(Policy):
     @staticmethod
     def _kv_admissible(
         table: CandidateTable, cached: dict[int, int], n: int, block_size: int, saturated: bool, ok: list[bool] | None
-    ) -> list[bool] | None:
+    ) -> tuple[list[bool] | None, list[float] | None]:
         """``ok`` narrowed to the candidates whose free blocks, less those their queued
-        prefills take, hold what the request needs there (an owner: its suffix); a
-        saturated fleet's owner of half the prompt or more always passes. Unchanged
-        when everyone fits, or when no one would."""
+        prefills take, hold what the request needs there (an owner: its suffix), or
+        will once the running request that ends first there frees its blocks (that
+        wait comes back per candidate, to add to its TTFT); a saturated fleet's owner
+        of half the prompt or more always passes. Unchanged when everyone fits, or when
+        no one would."""
         room = [f - q / block_size for f, q in zip(table.free_blocks, table.queued)]
         if min(room) * block_size >= n:
-            return ok
-        fits = [r * block_size >= n - cached.get(i, 0) for i, r in enumerate(room)]
+            return ok, None
+        short = [n - cached.get(i, 0) - r * block_size for i, r in enumerate(room)]  # tokens missing
+        fits = [s <= 0 for s in short]
+        waits = None
+        if table.release is not None and not all(fits):
+            release_s, release_blocks = table.release()
+            waits = [0.0] * len(short)
+            for i in cached:  # (an owner only: a copy would wait for blocks and evict too)
+                if 0 < short[i] <= release_blocks[i] * block_size and release_s[i]:
+                    fits[i], waits[i] = True, release_s[i]
         if saturated:
             for i, c in cached.items():
                 if 2 * c >= n:
                     fits[i] = True
         if ok is not None:
             fits = [a and b for a, b in zip(ok, fits)]
-        return fits if any(fits) else ok
+        return (fits if any(fits) else ok), waits
 
     def _eligible_owner(
         self, est: "_Estimate", ts: list[float], ok: list[bool] | None, best: float, n: int, saturated: bool,
