@@ -1,20 +1,21 @@
 """Routers at fleet scale on emulated replicas: a scenario matrix.
 
     kvroute bench fleet_matrix [--replicas 16] [--profile gpu_h100_llama3_8b]
-        [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,multi-turn]
+        [--time-scale 10] [--scenarios gsp,b2b,b2b-over,zipf,multi-tenant,failure,multi-turn,scale-out]
         [--loads 0.6,0.85,0.95,1.2] [--routers kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router]
         [--scale 1.0] [--host-kv-factor 0] [--sim-only] [--out-dir results/fleet_matrix]
     (as a Ray job: RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m kvroute.benchmarks fleet_matrix ...)
 
 Every router gets the same fleet shape (``--replicas`` replicas emulating ``--profile``:
 the real scheduler and KV cache, the profile's step times × ``--time-scale``; see
-``replica/emulated.py``), cold caches and the same trace (fixed seed, Poisson arrivals)
-at each load, a fraction of the scenario's capacity as the simulator estimates it for
-that fleet. Serve routers run on one Serve application (``compare_routers.ServeFleet``),
-sglang-router and vllm-router in front of ``kvroute serve-replica --emulate`` processes
-(``ExternalFleet``). Next to each measured run stands the simulator's prediction for the
-same scenario, rate and fleet (the peer routers by their re-implementations in
-``router/policies``). Times are unscaled seconds.
+``replica/emulated.py``), cold caches and the same trace (fixed seed, Poisson arrivals;
+a replayed trace's own arrival times for ``mooncake``) at each load, a fraction of the
+scenario's capacity as the simulator estimates it for that fleet. Serve routers run on
+one Serve application (``compare_routers.ServeFleet``), sglang-router and vllm-router in
+front of ``kvroute serve-replica --emulate`` processes (``ExternalFleet``). Next to each
+measured run stands the simulator's prediction for the same scenario, rate and fleet
+(the peer routers by their re-implementations in ``router/policies``). Times are
+unscaled seconds.
 
 Scenarios: ``gsp`` (SGLang's generated-shared-prefix defaults), ``b2b`` (llm-d's B2B with
 the prefixes filling ~73% of the fleet's KV), ``b2b-over`` (the prefixes at ~150% of it),
@@ -23,7 +24,24 @@ prompts, each with its own ``cache_salt``), ``failure`` (gsp with 1 of 8 replica
 at mid-run and replaced empty), ``multi-turn`` (growing chat histories), ``scale-out``
 (gsp on 3/4 of the replicas, the last quarter joining empty at mid-run; loads are
 fractions of the whole fleet's capacity, so the first half runs over the smaller
-fleet's).
+fleet's). These are the default ``--scenarios``.
+
+``mooncake`` (asked for by name) replays a Mooncake-format trace (JSON lines of
+``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``; see
+``benchmarks/traces.py``), by default the tests' 200-request synthetic one
+(``tests/fixtures/mooncake_small.jsonl``), 64 tokens per hash id, answers cut to 128
+tokens; ``--trace PATH`` replays another, ``--tokens-per-id`` and ``--max-output-len``
+size it, ``--scale`` keeps its first requests and ``--len-scale`` multiplies the tokens
+per id. Its requests keep the trace's arrival times, scaled by one factor so their mean
+rate is the load's (the bursts kept: ``serving.with_arrivals(..., "trace")``), in the
+measured runs and the simulator alike. Each replica's KV is sized so the trace's distinct
+prompt blocks (what an infinite cache would hold) are at least ``kv_pressure`` = 1.3
+times the fleet's, but room for 4 of its biggest requests at least (``trace_kv_pressure``
+in the rows is the pressure reached: on many replicas that floor can bring it below 1).
+Each row carries ``ideal_hit_rate``, the trace's own infinite-cache hit rate in whole
+hash ids (``traces.ideal_hit_rate``), beside every router's hit; the measured rows'
+``best_hit_rate`` is the same ceiling counted in 16-token blocks of the prompts sent (at
+least as high: it also credits a request that shares part of an id's tokens).
 
 ``--sim-only`` fills the whole matrix (every router, load and scenario) from the
 simulator alone in minutes, with no Ray and no replicas: the rows then hold the
@@ -45,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvroute.benchmarks import options
+from kvroute.benchmarks import options, serving
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.fleets import fleet_from_args
 from kvroute.benchmarks.router_report import markdown_table
@@ -57,6 +75,7 @@ class Scenario:
     dataset: str
     workload_kwargs: dict[str, Any] = field(default_factory=dict)
     kv_fraction: Optional[float] = None  # size each replica's KV so the shared prefixes fill this share of the fleet's
+    kv_pressure: Optional[float] = None  # size it so the distinct prompt blocks are this many times the fleet's KV
     kill_fraction: float = 0.0  # this share of the replicas dies at mid-run and comes back empty
     add_fraction: float = 0.0  # this share of the replicas joins at mid-run (the run starts without them)
 
@@ -70,7 +89,9 @@ SCENARIOS = {
     "failure": Scenario("generated-shared-prefix", kill_fraction=1 / 8),
     "multi-turn": Scenario("multi-turn"),
     "scale-out": Scenario("generated-shared-prefix", add_fraction=1 / 4),
+    "mooncake": Scenario("mooncake", {"tokens_per_id": 64, "max_output_len": 128}, kv_pressure=1.3),
 }
+DEFAULT_SCENARIOS = ("gsp", "b2b", "b2b-over", "zipf", "multi-tenant", "failure", "multi-turn", "scale-out")
 # the simulator's stand-in for each router
 SIM_POLICY = {"kvroute": "kvroute", "prefix_affinity_ray": "prefix_affinity_ray", "power_of_two": "power_of_two",
               "round_robin": "round_robin", "sglang_router": "cache_aware_sglang", "vllm_router": "cache_aware_vllm"}
@@ -79,19 +100,65 @@ MAX_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 256
 
 
-def workload_of(name: str, scale: float, len_scale: float, seed: int) -> wl.Workload:
+def workload_of(name: str, scale: float, len_scale: float, seed: int, **kwargs: Any) -> wl.Workload:
+    """Scenario ``name``'s workload; ``kwargs`` override its generator's arguments."""
     s = SCENARIOS[name]
-    return wl.make_workload(s.dataset, seed=seed, scale=scale, len_scale=len_scale, **s.workload_kwargs)
+    return wl.make_workload(s.dataset, seed=seed, scale=scale, len_scale=len_scale, **{**s.workload_kwargs, **kwargs})
+
+
+def is_trace(name: str) -> bool:
+    """Whether scenario ``name`` replays a trace file (``--trace`` and its options apply)."""
+    return SCENARIOS[name].dataset == "mooncake"
+
+
+def trace_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """For a trace scenario, the ``--trace`` / ``--tokens-per-id`` / ``--max-output-len``
+    given (0: the trace's own answer lengths) as its workload's arguments; else none."""
+    if not is_trace(name):
+        return {}
+    out: dict[str, Any] = {}
+    if getattr(args, "trace", None):
+        out["path"] = args.trace
+    if getattr(args, "tokens_per_id", None):
+        out["tokens_per_id"] = args.tokens_per_id
+    if getattr(args, "max_output_len", None) is not None:
+        out["max_output_len"] = args.max_output_len or None
+    return out
+
+
+def arrival_of(workload: wl.Workload) -> str:
+    """How the workload's requests arrive: ``trace`` (its own times, scaled to the rate)
+    where it says they come from a trace, else Poisson."""
+    return "trace" if workload.params.get("arrival") == "trace" else "poisson"
+
+
+def stamped(workload: wl.Workload, rate: float, seed: int) -> wl.Workload:
+    """``workload`` arriving at ``rate``, as the measured runs offer it."""
+    return serving.with_arrivals(workload, rate, arrival_of(workload), seed)
+
+
+def distinct_blocks(workload: wl.Workload) -> int:
+    """The workload's distinct full prompt blocks: what one infinite cache would hold."""
+    from kvroute.replica.block_hash import HashSpec, hash_blocks
+
+    spec = HashSpec(BLOCK_SIZE, 0, "fleet_matrix")
+    seen: set[int] = set()
+    for r in workload.requests:
+        seen.update(hash_blocks(spec, r.prompt_token_ids, r.cache_salt, lora_name=r.lora_name))
+    return len(seen)
 
 
 def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks: int) -> int:
     """Per-replica KV blocks: the profile's, or sized so the shared prefixes fill the
-    scenario's share of the fleet; room for a few whole requests at least."""
-    frac = SCENARIOS[name].kv_fraction
+    scenario's share of the fleet (``kv_fraction``), or so the distinct prompt blocks
+    are ``kv_pressure`` times the fleet's KV; room for a few whole requests at least."""
+    s = SCENARIOS[name]
     blocks = profile_blocks
-    if frac:
+    if s.kv_fraction:
         prefix_blocks = workload.num_groups * (workload.shared_prefix_tokens // BLOCK_SIZE)
-        blocks = math.ceil(prefix_blocks / (frac * replicas))
+        blocks = math.ceil(prefix_blocks / (s.kv_fraction * replicas))
+    elif s.kv_pressure:  # rounded down: the pressure reached is at least the scenario's
+        blocks = max(1, math.floor(distinct_blocks(workload) / (s.kv_pressure * replicas)))
     biggest = max(-(-(r.num_prompt_tokens + r.output_len) // BLOCK_SIZE) for r in workload.requests)
     return max(blocks, 4 * biggest)
 
@@ -110,12 +177,12 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
     out = {}
     for rate in rates:
-        stamped = wl.with_poisson_arrivals(workload, rate, seed=seed)
-        mid = 0.5 * max(r.arrival_s for r in stamped.requests)
+        at_rate = stamped(workload, rate, seed)
+        mid = 0.5 * max(r.arrival_s for r in at_rate.requests)
         at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=mid, failing_replicas=failing, fail_at_s=mid,
                                  host_kv_blocks=host_kv_blocks)  # fmt: skip
         for policy in sorted({SIM_POLICY[r] for r in routers}):
-            out[(policy, rate)] = Simulation(stamped, policy, profile, at).run()
+            out[(policy, rate)] = Simulation(at_rate, policy, profile, at).run()
     return capacity, out
 
 
@@ -129,18 +196,21 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: P
     from kvroute.replica.profiles import get_profile
 
     profile = get_profile(args.profile)
-    workload = workload_of(name, args.scale, args.len_scale, args.seed)
+    s = SCENARIOS[name]
+    workload = workload_of(name, args.scale, args.len_scale, args.seed, **trace_kwargs(name, args))
     kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
     capacity, _ = predict(workload, profile, args.replicas, kv_blocks, [], routers, args.seed)
     loads = [float(x) for x in options.csv(args.loads)]
     rates = [round(f * capacity, 3) for f in loads]
-    s = SCENARIOS[name]
     host_blocks = round(args.host_kv_factor * kv_blocks)
     _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
                      joining=_share(s.add_fraction, args.replicas), failing=_share(s.kill_fraction, args.replicas),
                      host_kv_blocks=host_blocks)  # fmt: skip
     head = {"scenario": name, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
-            "host_kv_blocks_per_replica": host_blocks}  # fmt: skip
+            "host_kv_blocks_per_replica": host_blocks, "arrival": arrival_of(workload),
+            "ideal_hit_rate": workload.params.get("ideal_hit_rate")}  # fmt: skip
+    if s.kv_pressure:
+        head["trace_kv_pressure"] = distinct_blocks(workload) / (kv_blocks * args.replicas)
     if args.sim_only:
         return [{**head, "load": load, **sim_as_measured(router, rate, sim[(SIM_POLICY[router], rate)]),
                  **sim_columns(router, sim[(SIM_POLICY[router], rate)])}
@@ -148,7 +218,8 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: P
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                      "max_model_len": profile.max_model_len, "host_kv_blocks": host_blocks}  # fmt: skip
     combined = compare_routers.compare(compare_routers.CompareConfig(
-        workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale),
+        workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale,
+                                           arrival=arrival_of(workload)),
         fleet=fleet_from_args(args, add_replicas=_share(s.add_fraction, args.replicas)), request_rates=tuple(rates),
         routers=tuple(routers), engine_kwargs=engine_kwargs, emulate=args.profile,
         kill_replicas=_share(s.kill_fraction, args.replicas), event_at=0.5, out_dir=str(out / name), label=name,
@@ -206,8 +277,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     cols = [("scenario", "scenario", "{}"), ("load", "load", "{:.2f}"), ("router", "router", "{}"), ("ok", "completed", "{}"),
-            ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"),
-            ("capt", "captured_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
+            ("err", "failed", "{}"), ("hit", "hit_rate", "{:.3f}"), ("ideal", "ideal_hit_rate", "{:.3f}"),
+            ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
             ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("TPOT ms", "tpot_median_ms", "{:.1f}"),
             ("out tok/s", "out_tok_s", "{:.0f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}"),
             ("pred err", "pred_cached_err", "{:.3f}"), ("CPU cores", "cpu_cores", "{:.2f}")]
@@ -220,7 +291,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--host-kv-factor", type=float, default=0.0,
                    help="each replica gets a host KV tier of this many times its device blocks (0: none)")
     options.add_trace(p)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    t = p.add_argument_group("replayed trace (the mooncake scenario)")
+    t.add_argument("--trace", default=None, metavar="PATH",
+                   help="a Mooncake-format JSON-lines trace (default: tests/fixtures/mooncake_small.jsonl)")
+    t.add_argument("--tokens-per-id", type=int, default=None, help="tokens per hash id (default 64; the trace's are 512)")
+    t.add_argument("--max-output-len", type=int, default=None,
+                   help="cut every answer to this length (default 128; 0: the trace's own lengths)")
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"a comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--loads", default="0.6,0.85,0.95,1.2", help="fractions of each scenario's estimated capacity")
     p.add_argument("--routers", default="kvroute,prefix_affinity_ray,power_of_two,sglang_router,vllm_router")
     p.add_argument("--timeout-s", type=float, default=1800.0)

@@ -14,13 +14,14 @@ fleet): kvroute with a router actor per ingress (``kvroute``) and with one
 actor shared), and sglang-router / vllm-router as I independent processes in front of the
 same ``serve-replica --emulate`` workers; the clients are spread round robin over the
 ingresses. ``--output-len`` cuts every answer (the decode tail of a 256-token answer at
-``--time-scale 80`` is minutes of wall time per cell). ``--kill-router SCENARIO:I`` adds
-a kvroute run at that cell whose busiest router actor dies at mid-run, set against the
-same cell undisturbed: its errors and the hit rate of the requests that started in the
-``--window-s`` after the kill. Cells run in the order of ``--ingresses`` and the table is
-rewritten after each, so a cut-short run keeps what it measured. The simulator cells
-come from ``router_scale`` (``kvroute`` is its ``kvroute/N=I``, ``kvroute_1router`` its
-``kvroute/1``). Times are unscaled seconds.
+``--time-scale 80`` is minutes of wall time per cell; a replayed trace's, ``mooncake``,
+are capped at it, and its requests keep the trace's arrival times scaled to the rate).
+``--kill-router SCENARIO:I`` adds a kvroute run at that cell whose busiest router actor
+dies at mid-run, set against the same cell undisturbed: its errors and the hit rate of
+the requests that started in the ``--window-s`` after the kill. Cells run in the order
+of ``--ingresses`` and the table is rewritten after each, so a cut-short run keeps what
+it measured. The simulator cells come from ``router_scale`` (``kvroute`` is its
+``kvroute/N=I``, ``kvroute_1router`` its ``kvroute/1``). Times are unscaled seconds.
 
 Outputs in ``--out-dir``: ``matrix.json`` (rows, kill run, targets), ``table.md``, and per
 cell the compare_routers outputs (``<scenario>-I<I>/``). One summary line.
@@ -38,7 +39,9 @@ from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as wl
-from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
+from kvroute.benchmarks.fleet_matrix import (
+    BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, arrival_of, is_trace, kv_blocks_of, stamped, trace_kwargs,
+)
 from kvroute.benchmarks.fleets import fleet_from_args
 from kvroute.benchmarks.router_report import markdown_table, window_hit_rate
 from kvroute.benchmarks.serving_config import quiet_load
@@ -51,8 +54,9 @@ PEERS = ("prefix_affinity_ray", "sglang_router", "vllm_router")
 COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("router", "router", "{}"), ("N", "num_routers", "{}"),
         ("ok", "completed", "{}"), ("err", "failed", "{}"), ("TTFT p50 ms", "ttft_median_ms", "{:.0f}"),
         ("p90", "ttft_p90_ms", "{:.0f}"), ("p99", "ttft_p99_ms", "{:.0f}"), ("out tok/s", "out_tok_s", "{:.0f}"),
-        ("hit (delivered)", "hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"), ("capt", "captured_rate", "{:.3f}"),
-        ("best", "best_hit_rate", "{:.3f}"), ("pred err", "pred_cached_err", "{:.3f}"), ("CPU cores", "cpu_cores", "{:.2f}"),
+        ("hit (delivered)", "hit_rate", "{:.3f}"), ("ideal", "ideal_hit_rate", "{:.3f}"), ("avail", "available_rate", "{:.3f}"),
+        ("capt", "captured_rate", "{:.3f}"), ("best", "best_hit_rate", "{:.3f}"), ("pred err", "pred_cached_err", "{:.3f}"),
+        ("CPU cores", "cpu_cores", "{:.2f}"),
         ("ingress CPU", "ingress_cores", "{:.2f}"), ("router CPU", "router_cores", "{:.2f}"),
         ("peer lag p50 ms", "peer_lag_p50_ms", "{:.1f}"), ("p99", "peer_lag_p99_ms", "{:.1f}"), ("sim p90", "sim_ttft_p90_ms", "{:.0f}"), ("sim hit", "sim_hit_rate", "{:.3f}")]  # fmt: skip
 TARGET_COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("hit / I=1", "hit_vs_I1", "{:.3f}"),
@@ -83,7 +87,8 @@ def make_cell(name: str, args: argparse.Namespace) -> Cell:
 
     s = SCENARIOS[name]
     scale, len_scale = sizes(args).get(name, (args.scale, args.len_scale))
-    kwargs = {**s.workload_kwargs, **({"output_len": args.output_len} if args.output_len else {})}
+    cut = {("max_output_len" if is_trace(name) else "output_len"): args.output_len} if args.output_len else {}
+    kwargs = {**s.workload_kwargs, **trace_kwargs(name, args), **cut}  # (a trace's answers are cut, not set)
     workload = wl.make_workload(s.dataset, seed=args.seed, scale=scale, len_scale=len_scale, **kwargs)
     profile = get_profile(args.profile)
     kv_blocks = kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica)
@@ -113,9 +118,8 @@ def simulate(cell: Cell, ingresses: int, router: str, args: argparse.Namespace) 
     from kvroute.benchmarks.router_scale import run_cell
     from kvroute.replica.profiles import get_profile
 
-    stamped = wl.with_poisson_arrivals(cell.workload, cell.rate, seed=args.seed)
-    m = run_cell(stamped, get_profile(args.profile), sim_config(args, cell.kv_blocks), SIM_VARIANT[router], ingresses,
-                 args.peer_delay)  # fmt: skip
+    m = run_cell(stamped(cell.workload, cell.rate, args.seed), get_profile(args.profile), sim_config(args, cell.kv_blocks),
+                 SIM_VARIANT[router], ingresses, args.peer_delay)  # fmt: skip
     return {"sim_ttft_p90_ms": m["ttft_p90_s"] * 1000, "sim_ttft_p99_ms": m["ttft_p99_s"] * 1000, "sim_hit_rate": m["hit_rate"],
             "sim_out_tok_s": m["output_tokens_per_s"]}  # fmt: skip
 
@@ -131,7 +135,7 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
                      "max_model_len": get_profile(args.profile).max_model_len}  # fmt: skip
     combined = compare_routers.compare(compare_routers.CompareConfig(
         workload=cell.workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale,
-                                                request_rate=cell.rate),
+                                                request_rate=cell.rate, arrival=arrival_of(cell.workload)),
         fleet=fleet_from_args(args, ingresses=ingresses), routers=tuple(routers), engine_kwargs=engine_kwargs,
         emulate=args.profile, kill_router=kill_router, window_s=args.window_s, out_dir=str(out), label=out.name,
     ))  # fmt: skip
@@ -140,6 +144,7 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
         run = json.loads((out / f"{row['run']}.json").read_text())
         by_kind = (run.get("cpu") or {}).get("by_kind", {})
         rows.append({**row, "scenario": cell.scenario, "ingresses": ingresses, "load": args.load,
+                     "ideal_hit_rate": cell.workload.params.get("ideal_hit_rate"),
                      "num_routers": run.get("num_routers"), "requests_per_ingress": run["requests_per_ingress"],
                      "ingress_cores": sum(v for k, v in by_kind.items() if k in INGRESS_KINDS),
                      "router_cores": sum(v for k, v in by_kind.items() if k.endswith("RouterService")),

@@ -42,7 +42,9 @@ from typing import Any, Optional
 from kvroute.benchmarks import options
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.common import write_result
-from kvroute.benchmarks.fleet_matrix import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, kv_blocks_of
+from kvroute.benchmarks.fleet_matrix import (
+    BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, is_trace, kv_blocks_of, stamped,
+)
 from kvroute.benchmarks.router_report import markdown_table
 
 # variant -> (simulator policy, routers at I ingresses (None: I), peer delay (None: --peer-delay; -1: never),
@@ -89,7 +91,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvroute.replica.profiles import get_profile
 
     profile = get_profile(args.profile)
-    kwargs = {**SCENARIOS[name].workload_kwargs, **({"output_len": args.output_len} if args.output_len else {})}
+    cut = {("max_output_len" if is_trace(name) else "output_len"): args.output_len} if args.output_len else {}
+    kwargs = {**SCENARIOS[name].workload_kwargs, **cut}  # (a trace's answers are cut, not set)
     workload = wl.make_workload(SCENARIOS[name].dataset, seed=args.seed, scale=args.scale, len_scale=args.len_scale, **kwargs)
     cfg = SimConfig(num_replicas=args.replicas, kv_blocks=kv_blocks_of(name, workload, args.replicas, profile.kv_blocks_per_replica),
                     block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
@@ -97,10 +100,10 @@ def run_scenario(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
     rows = []
     for load in (float(x) for x in args.loads.split(",")):
-        stamped = wl.with_poisson_arrivals(workload, load * capacity, seed=args.seed)
+        at_rate = stamped(workload, load * capacity, args.seed)  # (a trace keeps its own arrival times)
         for ingresses in (int(x) for x in args.ingresses.split(",")):
             for variant in args.variants.split(","):
-                row = run_cell(stamped, profile, cfg, variant, ingresses, args.peer_delay)
+                row = run_cell(at_rate, profile, cfg, variant, ingresses, args.peer_delay)
                 row.update(scenario=name, load=load, rate=round(load * capacity, 3))
                 rows.append(row)
     return rows

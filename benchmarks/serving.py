@@ -4,7 +4,8 @@ front of them).
 
 Requests come from :mod:`kvroute.benchmarks.workloads` (token-id prompts, so every
 server sees exactly the same prefixes; ``--prompt-format text`` decodes them for
-servers that only take text). They arrive as a Poisson process (or at a fixed rate)
+servers that only take text). They arrive as a Poisson process (or at a fixed rate, or
+at a replayed trace's own times scaled to that mean rate: ``--arrival trace``)
 at ``--request-rate``, at most ``--max-concurrency`` in flight; multi-turn
 conversations are closed loop (turn k+1 leaves when turn k has finished, plus the
 think time) and each turn sends the whole history.
@@ -61,13 +62,18 @@ from kvroute.benchmarks.serving_report import (
 
 # ---------------------------------------------------------------------- arrivals
 def with_arrivals(workload: wl.Workload, rate: float, arrival: str = "poisson", seed: int = 0) -> wl.Workload:
-    """A copy of ``workload`` whose independent requests arrive at ``rate`` (Poisson or
-    evenly spaced; inf: all at 0). Dependent turns keep their conversation's start."""
+    """A copy of ``workload`` whose independent requests arrive at ``rate``: ``poisson``,
+    ``fixed`` (evenly spaced) or ``trace`` (their own arrival times, a trace's, scaled
+    to that mean rate with the gaps' proportions kept: ``workloads.with_trace_arrivals``;
+    a ValueError where they are all 0); inf: all at 0. Dependent turns keep their
+    conversation's start."""
     if math.isinf(rate):
         reqs = [replace(r, arrival_s=0.0) for r in workload.requests]
         return replace(workload, requests=reqs, params={**workload.params, "rate": "inf"})
     if arrival == "poisson":
         return wl.with_poisson_arrivals(workload, rate, seed)
+    if arrival == "trace":
+        return wl.with_trace_arrivals(workload, rate)
     start: dict[str, float] = {}
     out = []
     i = 0

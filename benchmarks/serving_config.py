@@ -27,7 +27,7 @@ class LoadConfig:
 
     endpoint: str = "/v1/completions"
     request_rate: float = math.inf
-    arrival: str = "poisson"  # or "fixed"
+    arrival: str = "poisson"  # or "fixed", or "trace" (the workload's own arrival times, scaled to the rate)
     max_concurrency: Optional[int] = None
     stream: bool = True
     prompt_format: str = "tokens"  # or "text" (needs a decode function)
@@ -48,8 +48,8 @@ class LoadConfig:
             raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
-        if self.arrival not in ("poisson", "fixed"):
-            raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
+        if self.arrival not in ("poisson", "fixed", "trace"):
+            raise ValueError(f"arrival must be poisson, fixed or trace, got {self.arrival!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.prompt_format not in ("tokens", "text"):
@@ -137,7 +137,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    g.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"])
+    g.add_argument("--arrival", default="poisson", choices=["poisson", "fixed", "trace"],
+                   help="trace: the workload's own arrival times (a replayed trace's, e.g. --dataset-name mooncake) "
+                        "scaled to --request-rate on average, the bursts kept")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = e2e latency)")
     g.add_argument("--prompt-format", default="tokens", choices=["tokens", "text"],

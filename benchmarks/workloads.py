@@ -34,20 +34,27 @@ Generators and where their parameters come from:
 - :func:`long_document_qa`: vLLM ``benchmark_long_document_qa_throughput.py``: 8
   documents of 20,000 tokens, each asked twice (``repeat_mode`` random / tile /
   interleave), 10 output tokens.
+- :func:`mooncake`: a Mooncake-format trace replayed (``traces.load_mooncake``; default
+  the tests' small synthetic trace), its requests arriving at the trace's own times:
+  ``params["arrival"] == "trace"``, and ``params["ideal_hit_rate"]`` is the trace's
+  infinite-cache hit rate (``traces.ideal_hit_rate``).
 
 Arrivals: :func:`with_poisson_arrivals` stamps exponential inter-arrival times at a
-given rate onto a workload (turn-0 requests only); :func:`rate_sweep` turns a capacity
-into the rates to test.
+given rate onto a workload (turn-0 requests only); :func:`with_trace_arrivals` keeps a
+trace's own arrival times, stretched or compressed to a mean rate (the bursts kept);
+:func:`rate_sweep` turns a capacity into the rates to test.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from kvroute.benchmarks import traces
 from kvroute.benchmarks.workload_types import RequestSpec, Workload
 
 DEFAULT_VOCAB = 32000
@@ -320,7 +327,35 @@ def with_poisson_arrivals(workload: Workload, rate: float, seed: int = 0) -> Wor
         t = start[r.request_id] if r.after is None else start.get(r.after, 0.0)
         start[r.request_id] = t
         out.append(replace(r, arrival_s=t))
-    params = {**workload.params, "rate": rate, "arrival_seed": seed}
+    params = {**workload.params, "rate": rate, "arrival": "poisson", "arrival_seed": seed}
+    return replace(workload, requests=out, params=params)
+
+
+def with_trace_arrivals(workload: Workload, rate: float) -> Workload:
+    """A copy whose independent requests (turn 0) keep their own ``arrival_s`` (a
+    trace's timestamps), measured from the first and scaled by one factor so that their
+    mean rate over the run, count / span, is ``rate``: every gap keeps its share of the
+    span, so the bursts stay bursts. Later turns keep their closed-loop dependency (their
+    ``arrival_s`` becomes their conversation's start), as with Poisson arrivals."""
+    if not rate > 0 or math.isinf(rate):
+        raise ValueError(f"rate must be a finite number > 0 requests/s, got {rate}")
+    firsts = [r.arrival_s for r in workload.requests if r.after is None]
+    if not any(firsts):
+        raise ValueError(f"arrival 'trace' keeps each request's own arrival time, but every request of workload "
+                         f"{workload.name!r} arrives at 0: replay a trace (e.g. the 'mooncake' workload), or use "
+                         f"arrival 'poisson' or 'fixed'")  # fmt: skip
+    t0, span = min(firsts), max(firsts) - min(firsts)
+    if span <= 0:
+        raise ValueError(f"arrival 'trace' needs arrival times that differ; workload {workload.name!r} has all "
+                         f"{len(firsts)} at {t0} s, so no rate can be set from them")  # fmt: skip
+    factor = (len(firsts) / rate) / span
+    start: dict[str, float] = {}
+    out: list[RequestSpec] = []
+    for r in workload.requests:
+        t = (r.arrival_s - t0) * factor if r.after is None else start.get(r.after, 0.0)
+        start[r.request_id] = t
+        out.append(replace(r, arrival_s=t))
+    params = {**workload.params, "rate": rate, "arrival": "trace", "trace_time_factor": factor}
     return replace(workload, requests=out, params=params)
 
 
@@ -339,6 +374,31 @@ def lora_zipf(num_adapters: int = 64, num_requests: int = 4096, system_prompt_le
     return replace(base, name="lora-zipf", requests=reqs, params={**base.params, "adapters": base.num_groups})
 
 
+MOONCAKE_FIXTURE = Path(__file__).parents[1] / "tests" / "fixtures" / "mooncake_small.jsonl"
+
+
+def mooncake(path: str | Path | None = None, tokens_per_id: int = 64, max_output_len: int | None = 128, *,
+             seed: int = 0, scale: float = 1.0, len_scale: float = 1.0) -> Workload:  # fmt: skip
+    """A Mooncake-format trace (``benchmarks/traces.py``; default ``MOONCAKE_FIXTURE``,
+    the tests' 200-request synthetic trace) as a workload at the trace's own arrival
+    times (``params["arrival"] == "trace"``: replay it with arrival ``trace``).
+    ``tokens_per_id`` tokens stand for each of the trace's 512-token hash ids (prompts
+    shrink in proportion), answers are cut to ``max_output_len`` (None: the trace's
+    own), ``seed`` draws the ids' token content. ``scale`` keeps the first
+    round(``scale`` × N) requests (at least 1); ``len_scale`` multiplies
+    ``tokens_per_id`` (at least 1). ``params["ideal_hit_rate"]``: what one infinite
+    cache would serve of the kept requests' prompt tokens, in whole ids
+    (``traces.ideal_hit_rate``)."""
+    source = Path(path) if path is not None else MOONCAKE_FIXTURE
+    records = traces.read_jsonl(source)
+    kept = records[: scaled(len(records), scale)]
+    tpi = max(1, int(round(tokens_per_id * len_scale)))
+    w = traces.load_mooncake(kept, tokens_per_id=tpi, max_output_len=max_output_len, seed=seed)
+    params = {**w.params, "path": str(source), "max_output_len": max_output_len, "trace_requests": len(records),
+              "arrival": "trace", "ideal_hit_rate": traces.ideal_hit_rate(kept, tpi)}  # fmt: skip
+    return replace(w, params=params)
+
+
 WORKLOADS = {
     "generated-shared-prefix": generated_shared_prefix,
     "high-hit": high_hit,
@@ -349,6 +409,7 @@ WORKLOADS = {
     "multi-tenant": multi_tenant,
     "multi-turn": multi_turn,
     "long-document-qa": long_document_qa,
+    "mooncake": mooncake,
 }
 
 
