@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NewType, Sequence
+from typing import Any, Callable, NewType, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.kv_events import LoadFigures
@@ -211,6 +211,25 @@ class CandidateTable:
         if self.host_depth is None:
             return max(self.depth, default=0)
         return max((d + h for d, h in zip(self.depth, self.host_depth)), default=0)
+
+    @classmethod
+    def from_view(cls, request: RouteRequest, view: Any) -> "CandidateTable":
+        """The table from the plain ``ClusterView`` calls (hand-built views in tests)."""
+        cands = request.candidates
+        matched = view.prefix_match(request.block_hashes, cands)
+        fill = getattr(view, "cache_fill", None)
+        loads = [view.load(r) for r in cands]
+
+        def room(positions: Sequence[int]) -> list[int]:
+            return [round((1 - fill(cands[i])) * loads[i].capacity_blocks) for i in positions]  # type: ignore[misc]
+
+        table = cls.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
+        if request.lora_name is not None:
+            table.adapter_cold = [request.lora_name not in ld.resident_loras for ld in loads]
+            table.adapter_load_s = [ld.adapter_load_s for ld in loads]
+            table.adapter_blocked = [bool(ld.max_loras) and request.lora_name not in ld.running_loras
+                                     and len(ld.running_loras) >= ld.max_loras for ld in loads]  # fmt: skip
+        return table
 
     @classmethod
     def from_loads(

@@ -19,8 +19,14 @@ With ``scarcity`` (the default) each cold candidate's slot is priced by what it 
 (``adapter_sets.slot_price``: free or dead slots below 1, a redundant copy of a much
 colder adapter 1, a live adapter's copy more); only the cheapest stay admissible, before
 the batch and KV rules, and a new adapter goes where the least live demand is resident.
-``survival`` (an option) credits an owner's cached tokens by their chance to survive the
-evictions its queue and the request's suffix cause before admission.
+With ``eviction`` (the default) a candidate whose cache is full pays, on top of its TTFT,
+what the tokens it would compute evict (``router/eviction.py``: each worth the fleet's
+decayed reuse of cached tokens, at the fleet's rate), so a copy of a prefix on a full
+cache loses to its owner unless the owner's queue outweighs the prefix it would push
+out; and an owner short of free blocks whose next KV release covers the shortfall stays
+admissible, paying the release's wait. ``survival`` (an option) credits an owner's
+cached tokens by their chance to survive the evictions its queue and the request's
+suffix cause before admission.
 
 ``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
 measured step cost: a long prompt's deep positions cost more per token than a short
@@ -42,10 +48,10 @@ from __future__ import annotations
 from itertools import compress, repeat
 from math import inf
 from operator import and_, eq, ge, le
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 from kvroute.router.adapter_sets import AdapterDemand, slot_price
-from kvroute.router.eviction import ReuseValue, eviction_seconds
+from kvroute.router.eviction import ReuseValue, eviction_seconds, kv_admissible
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.survival import survive
 from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
@@ -81,6 +87,7 @@ class KVRoutePolicy(Policy):
         survival: bool = False,
         eviction: bool = True,
         reuse_half_life: float = 256.0,
+        max_reuse: float = 4.0,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -113,7 +120,7 @@ class KVRoutePolicy(Policy):
         self.adapter_hysteresis = float(adapter_hysteresis)  # a copy evicts one only this many times colder per copy
         self.survival = bool(survival)  # credit a cached prefix by its chance to survive until admission
         self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
-        self.reuse = ReuseValue(reuse_half_life)
+        self.reuse = ReuseValue(reuse_half_life, max_reuse)
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -195,7 +202,7 @@ class KVRoutePolicy(Policy):
 
     # ------------------------------------------------------------------ choice
     def choose(self, request: RouteRequest, view: ClusterView) -> RouteDecision:
-        table = request.table if request.table is not None else self.table_from_view(request, view)
+        table = request.table if request.table is not None else CandidateTable.from_view(request, view)
         key = request.block_hashes[0] if request.block_hashes else request.num_tokens
         slots = None
         if self.scarcity and request.lora_name is not None and table.adapter_cold is not None and any(table.adapter_cold):
@@ -210,25 +217,6 @@ class KVRoutePolicy(Policy):
         if self.eviction:
             c = decision.expected_cached_tokens
             self.reuse.observe(c, request.num_tokens - c)
-
-    @staticmethod
-    def table_from_view(request: RouteRequest, view: Any) -> CandidateTable:
-        """The table from the plain ``ClusterView`` calls (hand-built views in tests)."""
-        cands = request.candidates
-        matched = view.prefix_match(request.block_hashes, cands)
-        fill = getattr(view, "cache_fill", None)
-        loads = [view.load(r) for r in cands]
-
-        def room(positions: Sequence[int]) -> list[int]:
-            return [round((1 - fill(cands[i])) * loads[i].capacity_blocks) for i in positions]  # type: ignore[misc]
-
-        table = CandidateTable.from_loads(cands, [matched[r] for r in cands], loads, None if fill is None else room)
-        if request.lora_name is not None:
-            table.adapter_cold = [request.lora_name not in ld.resident_loras for ld in loads]
-            table.adapter_load_s = [ld.adapter_load_s for ld in loads]
-            table.adapter_blocked = [bool(ld.max_loras) and request.lora_name not in ld.running_loras
-                                     and len(ld.running_loras) >= ld.max_loras for ld in loads]  # fmt: skip
-        return table
 
     def choose_from(
         self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0, key: int = 0,
@@ -265,7 +253,7 @@ class KVRoutePolicy(Policy):
                 ts = [t + e for t, e in zip(ts, eviction_seconds(own, table.queued, rooms, block_size, value, est.fleet_rate))]
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
-            ok, kv_waits = self._kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
+            ok, kv_waits = kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
             if kv_waits is not None:  # short of blocks until a running request ends there: its wait
                 ts = [t + w for t, w in zip(ts, kv_waits)]
         if blocked is not None:  # no free adapter slot: the request would wait for running ones to finish
@@ -329,36 +317,6 @@ class KVRoutePolicy(Policy):
         eligible owner wins the full pass too."""
         lb = min(min(est.waits) + n / est.fleet_rate, min(est.own_ts.values()))
         return est.own_ts[est.top] <= lb + self._per_token(lb, n, est.fleet_rate, saturated) * est.longest
-
-    @staticmethod
-    def _kv_admissible(
-        table: CandidateTable, cached: dict[int, int], n: int, block_size: int, saturated: bool, ok: list[bool] | None
-    ) -> tuple[list[bool] | None, list[float] | None]:
-        """``ok`` narrowed to the candidates whose free blocks, less those their queued
-        prefills take, hold what the request needs there (an owner: its suffix), or
-        will once the running request that ends first there frees its blocks (that
-        wait comes back per candidate, to add to its TTFT); a saturated fleet's owner
-        of half the prompt or more always passes. Unchanged when everyone fits, or when
-        no one would."""
-        room = [f - q / block_size for f, q in zip(table.free_blocks, table.queued)]
-        if min(room) * block_size >= n:
-            return ok, None
-        short = [n - cached.get(i, 0) - r * block_size for i, r in enumerate(room)]  # tokens missing
-        fits = [s <= 0 for s in short]
-        waits = None
-        if table.release is not None and not all(fits):
-            release_s, release_blocks = table.release()
-            waits = [0.0] * len(short)
-            for i in cached:  # (an owner only: a copy would wait for blocks and evict too)
-                if 0 < short[i] <= release_blocks[i] * block_size and release_s[i]:
-                    fits[i], waits[i] = True, release_s[i]
-        if saturated:
-            for i, c in cached.items():
-                if 2 * c >= n:
-                    fits[i] = True
-        if ok is not None:
-            fits = [a and b for a, b in zip(ok, fits)]
-        return (fits if any(fits) else ok), waits
 
     def _eligible_owner(
         self, est: "_Estimate", ts: list[float], ok: list[bool] | None, best: float, n: int, saturated: bool,

@@ -23,10 +23,14 @@ def test_reuse_value_is_the_share_of_stored_tokens_found_again():
     v.observe(0, 1000)
     v.observe(500, 500)
     assert v.value == pytest.approx(500 / 1500)
-    v.observe(5000, 100)  # reused more than stored: worth one recompute at most
-    assert v.value == 1.0
+    v.observe(1500, 0)  # each stored token found again twice over
+    assert v.value == pytest.approx(2000 / 1500)
+    v.observe(50_000, 100)
+    assert v.value == 4.0  # capped
     with pytest.raises(ValueError):
         ReuseValue(half_life=0)
+    with pytest.raises(ValueError):
+        ReuseValue(cap=0)
 
 
 def test_reuse_value_decays_over_its_half_life():

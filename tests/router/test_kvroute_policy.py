@@ -7,7 +7,7 @@ import pytest
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.router.policies.kvroute import KVRoutePolicy
 from kvroute.router.router import Router
-from kvroute.router.types import ReplicaLoad, RouteRequest
+from kvroute.router.types import CandidateTable, ReplicaLoad, RouteRequest
 
 SPEC = HashSpec(16)
 TOKENS = list(range(16 * 64 + 10))  # 64 full blocks + 10 tokens
@@ -252,7 +252,7 @@ def test_router_table_and_view_table_agree():
     assert list(t.interference) == [0.0, 0.03, 0.05]
     p = KVRoutePolicy()
     via_router = p.choose(req, r)
-    via_view = p.choose_from(KVRoutePolicy.table_from_view(req, View(r.prefix_match(H, req.candidates),
+    via_view = p.choose_from(CandidateTable.from_view(req, View(r.prefix_match(H, req.candidates),
                                                                      {c: r.load(c) for c in req.candidates})), N, 16)
     assert via_router == via_view
     assert (via_router.replica_id, via_router.reason) == ("r1", "load")
