@@ -1,4 +1,4 @@
-"""CPU a fleet uses during a run, per process kind (issue 30: the stack's own CPU).
+"""CPU a fleet uses during a run, per process kind.
 
 The fleet is every process descended from the benchmark's driver (a local Ray cluster
 that the driver started: GCS, raylet, Serve's controller and proxy, the ingress,

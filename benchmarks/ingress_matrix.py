@@ -1,4 +1,4 @@
-"""The multi-ingress matrix (issue 30): every router at I ingresses, measured on emulated
+"""The multi-ingress matrix: every router at I ingresses, measured on emulated
 replicas, with the simulator's prediction beside each cell.
 
     kvroute bench ingress_matrix [--ingresses 8,1,4,2] [--scenarios b2b,zipf,multi-tenant]

@@ -1,4 +1,4 @@
-"""A long prompt beside short requests: the short ones' TTFT while it prefills (issue 31).
+"""A long prompt beside short requests: the short ones' TTFT while it prefills.
 
     kvroute bench long_prompt             # starts `kvroute serve` (2 replicas, SmolLM2, fp32)
     kvroute bench long_prompt --url http://127.0.0.1:8000
@@ -9,7 +9,7 @@ short streamed chats (``max_tokens`` 4) in flight and times each one's first tok
 Reports the short ones' TTFT p50 / p99 / max, how many finished before the long one, and
 the long one's seconds. ``--background-tokens N --background-concurrency M`` keeps M
 more requests of about N distinct tokens each in flight meanwhile (a busy fleet, like
-issue 31's table of edge cases; not in the TTFT figures). One summary line; JSON in
+a user's report of edge cases; not in the TTFT figures). One summary line; JSON in
 ``results/long_prompt.json``.
 """
 

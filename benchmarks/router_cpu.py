@@ -1,4 +1,4 @@
-"""One router actor's CPU, replayed without Ray (issue 30): where it goes, per call kind.
+"""One router actor's CPU, replayed without Ray: where it goes, per call kind.
 
     kvroute bench router_cpu [--replicas 16] [--routers 8] [--block-size 16]
         [--seconds 20] [--rate 150] [--profile] [--baseline REF] [--rounds 3] [--out PATH]
@@ -27,7 +27,7 @@ tottime, cumtime). ``--baseline REF`` runs the same replay of git ``REF``'s code
 prints before/after with the ratios (medians over rounds): both sides in one run.
 ``--ray-calls`` adds what the replay leaves out: Ray's own CPU per actor call.
 
-Measured (issue 30; 2-core shared box, CPU time, medians of 5 alternating rounds, 3 at
+Measured (2-core shared box, CPU time, medians of 5 alternating rounds, 3 at
 256 replicas; ``--baseline main`` before the router-CPU commits, block size 16):
 
     kvroute bench router_cpu --baseline main --rounds 5 --seconds 10

@@ -1,4 +1,4 @@
-"""Routers at many ingresses, simulated: the curve past what 2 cores emulate (issue 30).
+"""Routers at many ingresses, simulated: the curve past what 2 cores emulate.
 
     kvroute bench router_scale [--ingresses 1,2,4,8,16,32,64] [--replicas 16]
         [--scenarios b2b,zipf,multi-tenant] [--loads 0.85,0.95] [--peer-delay 0.002]

@@ -1,5 +1,4 @@
-"""kvroute in front of real vLLM workers, side by side with vllm-router and sglang-router
-(issue 32's proof).
+"""kvroute in front of real vLLM workers, side by side with vllm-router and sglang-router.
 
     kvroute bench vllm_fleet [--workers 2] [--routers kvroute,vllm_router,sglang_router]
         [--traces shared,salted] [--num-blocks 24] [--request-rate 1.0] [--out results/vllm_fleet.json]
