@@ -290,6 +290,8 @@ class BlockDirectory:
         (capacity - confirmed - pending run blocks, may be negative) for each ``i`` in
         ``positions``."""
         reps = selection.replicas
+        if isinstance(positions, range) and len(positions) == len(reps):
+            return [r.room for r in reps]
         return [reps[i].room for i in positions]
 
     def num_blocks(self) -> int:

@@ -246,11 +246,12 @@ class KVRoutePolicy(Policy):
         for i, c in est.cached.items():
             own[i] -= c
         ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
-        if self.eviction and table.room is not None and est.longest:  # a copy evicts as much as it computes
-            value = self.reuse.value
-            if value > 0:
-                rooms = table.room(range(len(own)))
-                ts = [t + e for t, e in zip(ts, eviction_seconds(own, table.queued, rooms, block_size, value, est.fleet_rate))]
+        if (self.eviction and table.room is not None and est.longest and self.reuse.value > 0
+                and est.cached.get(ts.index(min(ts)), 0) < est.longest):  # fmt: skip
+            # a copy evicts as much as it computes (priced only where an owner is not the fastest already)
+            rooms = table.room(range(len(own)))
+            evict = eviction_seconds(own, table.queued, rooms, block_size, self.reuse.value, est.fleet_rate)
+            ts = [t + e for t, e in zip(ts, evict)]
         ok = [x <= blimit for x in qlen] if over else None
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
             ok, kv_waits = kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
