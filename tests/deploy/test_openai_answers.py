@@ -24,16 +24,10 @@ from kvroute.deploy.serving import ServerLimits  # noqa: E402
 from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
+from tests.deploy.tool_defs import TIME, WEATHER  # noqa: E402
 
 MODEL = "smol"
 MAX_MODEL_LEN = 1024
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]

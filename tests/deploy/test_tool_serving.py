@@ -12,14 +12,7 @@ from kvroute.deploy.tool_calls import ToolChatMessage, ToolFields, template_mess
 from kvroute.deploy.tool_forcing import ForcedToolParser
 from kvroute.deploy.tool_parsers import HermesParser, MistralParser
 from kvroute.deploy.tool_serving import ToolServingConfig, add_tool_args, plan_tools, tool_config_from_args
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
+from tests.deploy.tool_defs import TIME, WEATHER
 
 
 def _args(*argv):
