@@ -8,7 +8,10 @@ routers in front of real replicas that emulate the profile's steps and adapter s
 The same ``lora-zipf`` trace as the simulated run (``workloads.lora_zipf``), at ``--load``
 × the fleet's capacity as the simulator prices it, is served by
 ``benchmarks/compare_routers.py``'s fleets, each router from cold caches and empty
-adapter slots: kvroute, Ray's power of two and PrefixCacheAffinityRouter on one Serve
+adapter slots, each replica accepting as many requests at once as its engine batches
+(Serve's ``max_ongoing_requests`` = ``max_num_seqs``, the batch the capacity estimate
+assumes; a lower cap would overload the fleet at any load and pass requests on by queue
+length): kvroute, Ray's power of two and PrefixCacheAffinityRouter on one Serve
 application of ``--replicas`` emulated engines, and the real vllm-router (``cache_aware``)
 in front of ``--replicas`` ``kvroute serve-replica --emulate ... --enable-lora``
 processes. Every replica knows every adapter (``lora_modules``): PEFT folders this
@@ -95,7 +98,8 @@ def measure(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                      "max_lora_rank": args.lora_rank, "lora_modules": modules}  # fmt: skip
     combined = compare_routers.compare(compare_routers.CompareConfig(
         workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale),
-        fleet=fleet_from_args(args, model=args.model), request_rates=(rate,), routers=tuple(args.routers or default_routers()),
+        fleet=fleet_from_args(args, model=args.model, max_ongoing_requests=config.max_num_seqs), request_rates=(rate,),
+        routers=tuple(args.routers or default_routers()),
         engine_kwargs=engine_kwargs, emulate=args.emulate, out_dir=str(out_dir), label="lora-zipf",
     ))  # fmt: skip
     results = {row["router"]: router_result(row, json.loads((out_dir / f"{row['run']}.json").read_text()))

@@ -135,7 +135,8 @@ class EngineReplica:
         self.config = config
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         self.node = ray.util.get_node_ip_address()
-        engine_config = dataclasses.replace(config.engine, replica_id=self.replica_id)
+        engine_config = dataclasses.replace(config.engine, replica_id=self.replica_id,
+                                            max_requests=config.max_ongoing_requests)  # fmt: skip
         if engine_factory is None:
             self.engine = await model_engine(engine_config, config.torch_threads_per_replica)
         else:

@@ -47,6 +47,10 @@ class EngineConfig:
     base model: at most ``max_loras`` resident at once (LRU; one step batches at most
     that many), of rank at most ``max_lora_rank``; at most ``max_cpu_loras`` registered
     (None: no limit). ``lora_modules``: ``{name: folder}`` loaded at start.
+
+    ``max_requests``: the most requests the serving layer hands this engine at once
+    (Ray Serve's ``max_ongoing_requests``; 0: no cap). The engine only reports it: a
+    router sends a request elsewhere before that layer would pass it on by queue length.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -75,6 +79,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: Mapping[str, str] = field(default_factory=dict)
+    max_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -93,6 +98,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_requests < 0:
+            raise ValueError(f"max_requests must be >= 0 (0: no cap), got {self.max_requests}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:

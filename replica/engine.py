@@ -101,6 +101,7 @@ class Engine:
             self.load_lora(name, path)
         self.constraints = self._constraints(config)
         self.telemetry = ReplicaTelemetry(config.replica_id, self.scheduler, self.kv)
+        self.telemetry.max_requests = config.max_requests
         if self.lora is not None:
             self.telemetry.lora_state = self.lora.state
 

@@ -29,15 +29,20 @@ class LoadFigures:
     waits for a slot load first), and ``adapter_load_s`` what such a load takes there
     (measured, or its emulation profile's; 0.0: unknown or no adapters).
     ``running_loras``: the adapters of its running requests; once they are ``max_loras``
-    (its slots; 0: no adapters), a request of another adapter waits until one of them
-    has no running request, and so does every request queued behind it.
+    (its slots; 0: no adapters), a request of another adapter waits until the one with
+    the fewest running requests drains (the requests behind it of running adapters go
+    on).
 
     ``release_s`` and ``release_blocks``: when its running request nearest its
     ``max_tokens`` will have finished (remaining tokens × its decode step; 0.0: no
     running request or no step measured), and the KV blocks that frees (those no other
     request shares) less those its other running requests allocate as they decode until
     then. A request short of free blocks there waits about that long for them; an answer
-    ending early at a stop token only shortens the wait."""
+    ending early at a stop token only shortens the wait.
+
+    ``max_requests``: the most requests its serving layer hands it at once (Ray Serve's
+    ``max_ongoing_requests``; 0: no cap). One holding that many is passed over for the
+    replica with the shortest queue, whatever its cache or adapters hold."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -54,6 +59,7 @@ class LoadFigures:
     max_loras: int = 0
     release_s: float = 0.0
     release_blocks: int = 0
+    max_requests: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,12 @@ measured, a chunk is at most ``PROBE_TOKENS``.
 A waiting request whose structured-output grammar is still compiling is passed over
 (it keeps its place; the requests behind it are admitted) until the compile is done.
 
-With LoRA, the running requests use at most ``max_loras`` distinct adapters: a waiting
-request of another adapter waits (in order) until one of them has no running request.
+With LoRA, the running requests use at most ``max_loras`` distinct adapters. A waiting
+request of another adapter is passed over (it keeps its place) and the requests behind
+it whose adapters are running are admitted, so one cold adapter does not hold up every
+request queued behind it; but the running adapter with the fewest running requests
+takes no new ones until it drains, and the passed-over request then takes its slot
+(waiting requests are scanned in order).
 """
 
 from __future__ import annotations
@@ -203,14 +207,17 @@ class Scheduler:
         return out
 
     def _admit(self, scheduled: list[tuple[Request, int, int]], budget: int, allot: dict[int, float] | None) -> None:
-        skip = 0  # requests ahead whose grammar is still compiling: they keep their place
+        skip = 0  # requests passed over (grammar compiling, adapter waiting for a slot): they keep their place
+        draining: str | None = None  # the running adapter a passed-over one waits for: it takes no new requests
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[skip]
             if req.constraints is not None and not req.constraints.ready:
                 skip += 1
                 continue
-            if not self._adapter_fits(req):
-                break
+            if not self._adapter_fits(req) or (draining is not None and req.lora_name == draining):
+                draining = draining or self._drain_target()
+                skip += 1
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -230,6 +237,16 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_hit, num_new))
             budget -= num_new
+
+    def _drain_target(self) -> str:
+        """The running adapter with the fewest running requests (then the first by
+        name): a request passed over for a slot waits for it to drain, so it cannot be
+        starved by adapters that keep taking new requests."""
+        counts: dict[str, int] = {}
+        for r in self.running:
+            if r.lora_name is not None:
+                counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        return min(counts, key=lambda a: (counts[a], a))
 
     def _adapter_fits(self, req: Request) -> bool:
         """False when ``req``'s adapter would be one more than ``max_loras`` in the step."""

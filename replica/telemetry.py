@@ -25,6 +25,7 @@ class ReplicaTelemetry:
         self.host_restore_tokens_per_s = 0.0
         # () -> (adapters resident in device slots, seconds a slot load takes); None: no adapters
         self.lora_state: Callable[[], tuple[tuple[str, ...], float]] | None = None
+        self.max_requests = 0  # the serving layer's cap on requests at once (EngineConfig.max_requests)
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
         """Fold one step's duration into the prefill rate and the step cost model
@@ -67,6 +68,7 @@ class ReplicaTelemetry:
             max_loras=slots,
             release_s=release_s,
             release_blocks=release_blocks,
+            max_requests=self.max_requests,
         )
 
     def _release(self) -> tuple[float, int]:

@@ -81,6 +81,7 @@ class LoadView:
         self.adapter_load_s: list[float] = []  # seconds a slot load takes there (0.0: unknown)
         self.running_loras: list[frozenset[str]] = []  # adapters of running requests, and those routed there since
         self.max_loras: list[int] = []  # its adapter slots (0: no adapters)
+        self.max_requests = 0  # the serving layer's cap on a replica's requests, as the latest report says (0: none)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
         # per slot: (ticket, uncached tokens, deadline, adapter) of each request routed
         # there that no report counts yet, oldest first (tickets and deadlines both increase)
@@ -173,6 +174,8 @@ class LoadView:
         self.adapter_load_s[s] = f.adapter_load_s
         self.running_loras[s] = frozenset(f.running_loras)
         self.max_loras[s] = f.max_loras
+        if f.max_requests:
+            self.max_requests = f.max_requests
         if f.prefill_tokens_per_s and f.decode_step_s:
             self._unmeasured.discard(s)
         else:

@@ -252,6 +252,7 @@ class Router:
             cs.ids, depths, *self.loads.columns(cs.loads), lambda positions: rooms(selection, positions)
         )
         table.release = lambda: self.loads.releases(cs.loads)
+        table.max_requests = self.loads.max_requests
         table.host_depth = self.directory.host_depths(block_hashes, selection, depths)
         if table.host_depth is not None:
             table.host_rate = [self.loads.figures(rid).host_restore_tokens_per_s for rid in cs.ids]

@@ -160,12 +160,15 @@ class CandidateTable:
     ``adapter_blocked[i]``: it would wait there for a slot that running requests hold.
     ``release()`` gives, when asked (a request short of KV somewhere), each candidate's
     ``release_s`` and ``release_blocks`` as reported (``LoadFigures``; None: the view cannot tell).
+    ``max_requests``: the most requests a replica accepts at once (the serving layer's
+    cap, Ray Serve's ``max_ongoing_requests``; 0: none): one holding that many passes
+    a request on to another by queue length, not by cache or adapter.
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
         "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
-        "adapter_cold", "adapter_load_s", "adapter_blocked", "release",
+        "adapter_cold", "adapter_load_s", "adapter_blocked", "release", "max_requests",
     )  # fmt: skip
 
     def __init__(
@@ -205,6 +208,7 @@ class CandidateTable:
         self.adapter_load_s: Sequence[float] = ()
         self.adapter_blocked: Sequence[bool] | None = None
         self.release: Callable[[], tuple[Sequence[float], Sequence[int]]] | None = None
+        self.max_requests = 0
 
     def longest(self) -> int:
         """The most leading blocks any candidate holds, counting both tiers."""

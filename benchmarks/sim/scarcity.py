@@ -37,7 +37,7 @@ from kvroute.replica.profiles import get_profile
 
 BLOCK_SIZE = 16
 TRACE = Path(__file__).parents[2] / "tests" / "fixtures" / "mooncake_small.jsonl"
-LABELS = {"legacy": {"scarcity": False}, "noevict": {"eviction": False}}  # ``policy:label`` -> kvroute kwargs
+LABELS = {"legacy": {"scarcity": False}, "noevict": {"eviction": False}, "nobalance": {"balance_prefixes": False}}  # ``policy:label`` -> kvroute kwargs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,7 @@ class SimConfig:
     spill_at: int = SPILL_AT  # "first": an ingress passes over a router with this many of its decisions waiting
     max_loras: int = 0  # LoRA adapter slots per replica (0: no adapters)
     lora_rank: int = 16  # every adapter's rank (its slot load: the profile's adapter_load_time)
+    max_requests: int = 0  # a replica holding this many passes a request to the one holding fewest (Serve's cap; 0: none)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -148,16 +149,20 @@ class Simulation:
         self.num_snapshots = 0
         self.reasons: dict[str, int] = {}
         self.num_retried = 0
+        self.passed_on = 0  # requests a full replica passed to another (``max_requests``)
 
     def _add(self, replica_ids: list[str]) -> None:
         for router in self.routers:
             for rid in replica_ids:
                 router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
+                router.report_load(rid, self.replicas[rid].load())  # as a replica registers: its slots and cap
 
     def _new_replica(self, replica_id: str) -> SimReplica:
         c = self.config
-        return SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks, c.max_loras,
-                          c.lora_rank)  # fmt: skip
+        rep = SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks, c.max_loras,
+                         c.lora_rank)  # fmt: skip
+        rep.telemetry.max_requests = c.max_requests  # reported, as an engine replica under Serve reports its cap
+        return rep
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (t, self._n, kind, payload))
@@ -237,6 +242,10 @@ class Simulation:
                 else:
                     self._push(self.now + self.config.peer_delay_s, _PEER, (peer, args))
         rep = self.replicas[decision.replica_id]
+        cap = self.config.max_requests
+        if cap and len(rep.requests) >= cap:  # Serve passes it on to the shortest queue, whatever it caches
+            rep = min(self.replicas.values(), key=lambda r: len(r.requests))
+            self.passed_on += 1
         req = rep.make_request(spec, hashes, self.now)
         req.route_ticket = decision.ticket
         sim = SimRequest(spec, req, arrival_s, rep.replica_id,
@@ -332,6 +341,7 @@ class Simulation:
             "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
             "snapshots": self.num_snapshots,
             "retried": self.num_retried,
+            "passed_on": self.passed_on,
             "adapter_loads": loads,
             "adapter_loads_per_1k": 1000 * loads / len(done) if done else 0.0,
             "leaked_blocks": leaked,

@@ -8,25 +8,15 @@ The rule, per candidate replica ``r`` of a request of ``n`` prompt tokens::
     work_r   = queued_prefill_tokens_r + n − cached_r
     ttft_r   = wait_r + (n − cached_r) / fleet_rate + ceil(work_r / step_tokens) × decode_step_r (0 if r runs no decodes)
 
-A request of a LoRA adapter not resident on ``r`` waits for a slot load too: ``wait_r``
-grows by ``r``'s ``adapter_load_s`` (measured there, or the profile's; unknown: the
-candidates' mean, else ``default_adapter_load_s``), so one adapter's requests gather
-where it is loaded and its prefixes are cached, and spread when that replica is busy.
-A third admission rule: a candidate whose running requests hold all its adapter slots
-with other adapters takes no request of another one while some candidate can (it would
-wait for a slot, and block the requests queued behind it).
-With ``scarcity`` (the default) each cold candidate's slot is priced by what it evicts
-(``adapter_sets.slot_price``: free or dead slots below 1, a redundant copy of a much
-colder adapter 1, a live adapter's copy more); only the cheapest stay admissible, before
-the batch and KV rules, and a new adapter goes where the least live demand is resident.
-With ``eviction`` (the default) a candidate whose cache is full pays, on top of its TTFT,
-what the tokens it would compute evict (``router/eviction.py``: each worth the fleet's
-decayed reuse of cached tokens, at the fleet's rate), so a copy of a prefix on a full
-cache loses to its owner unless the owner's queue outweighs the prefix it would push
-out; and an owner short of free blocks whose next KV release covers the shortfall stays
-admissible, paying the release's wait. ``survival`` (an option) credits an owner's
-cached tokens by their chance to survive the evictions its queue and the request's
-suffix cause before admission.
+A LoRA request waits for a slot load where its adapter is not resident (``r``'s
+``adapter_load_s``; unknown: the candidates' mean, else ``default_adapter_load_s``), and
+a candidate whose running requests hold every slot with other adapters is skipped while
+another can take it. With ``scarcity`` each cold slot is priced by what it evicts
+(``adapter_sets``); only candidates evicting no live adapter against its rules stay
+admissible (else the cheapest). With ``eviction`` a full cache pays for the cached
+tokens the request's computed ones push out (``eviction.py``), and a KV-short owner whose
+next release covers it pays that wait instead of being skipped. ``survival`` (an
+option) credits cached tokens by their chance to survive until admission.
 
 ``queued_prefill_s_r`` is the replica's own estimate of its reported queue (its
 measured step cost: a long prompt's deep positions cost more per token than a short
@@ -34,11 +24,13 @@ prompt's); ``unpriced_r`` the queued tokens it does not cover (routed since its 
 report, or its whole queue before it has measured a step).
 
 Among the admissible candidates (batch: a queue at most ``max(1.5 × mean, mean + 16)``
-of the candidates' queues; KV: free blocks, less the queued prefills', for what the
-request needs there), ``best`` is the smallest TTFT. An owner whose TTFT is within ``best`` plus its share
+of the candidates' and below the serving layer's cap, ``table.max_requests``; KV: free
+blocks, less the queued prefills', for what the request needs there), ``best`` is the
+smallest TTFT. An owner whose TTFT is within ``best`` plus its share
 ``cached_r / n`` of the slack is eligible (plus ``cached_r / fleet_rate`` while every
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
-a new prefix goes to the roomiest cache among the near-best, anything else to ``best``.
+a new prefix goes to the roomiest cache among the near-best, then the one serving the
+fewest live prefixes, anything else to ``best``.
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
 another holds), ``load`` (a shorter one). Why each rule: ``router/POLICIES.md``.
 """
@@ -50,11 +42,12 @@ from math import inf
 from operator import and_, eq, ge, le
 from typing import ClassVar, Sequence
 
-from kvroute.router.adapter_sets import AdapterDemand, slot_price
+from kvroute.router.adapter_sets import AdapterDemand, cheapest, slot_price
 from kvroute.router.eviction import ReuseValue, eviction_seconds, kv_admissible
+from kvroute.router.live_prefixes import LivePrefixes
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.survival import survive
-from kvroute.router.types import CandidateTable, ReplicaLoad, RouteDecision, RouteRequest
+from kvroute.router.types import CandidateTable, ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
 
 BATCH_SLACK_REL = 1.5
 BATCH_SLACK_ABS = 16
@@ -84,10 +77,13 @@ class KVRoutePolicy(Policy):
         scarcity: bool = True,
         adapter_half_life: float = 256.0,
         adapter_hysteresis: float = 2.0,
+        adapter_copies: bool = False,
         survival: bool = False,
         eviction: bool = True,
         reuse_half_life: float = 256.0,
         max_reuse: float = 4.0,
+        balance_prefixes: bool = True,
+        live_horizon: int = 2048,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -118,9 +114,11 @@ class KVRoutePolicy(Policy):
         self.scarcity = bool(scarcity)  # the scarcity rules: adapter slot prices (router/POLICIES.md)
         self.demand = AdapterDemand(adapter_half_life)
         self.adapter_hysteresis = float(adapter_hysteresis)  # a copy evicts one only this many times colder per copy
+        self.adapter_copies = bool(adapter_copies)  # an adapter past a replica's fair share may evict for a copy
         self.survival = bool(survival)  # credit a cached prefix by its chance to survive until admission
         self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
         self.reuse = ReuseValue(reuse_half_life, max_reuse)
+        self.live = LivePrefixes(live_horizon) if balance_prefixes else None  # new prefixes: the fewest live first
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -208,7 +206,7 @@ class KVRoutePolicy(Policy):
         if self.scarcity and request.lora_name is not None and table.adapter_cold is not None and any(table.adapter_cold):
             loads = [view.load(r) for r in request.candidates]
             slots = slot_price(request.lora_name, [ld.resident_loras for ld in loads], [ld.max_loras for ld in loads],
-                               self.demand, self.adapter_hysteresis)  # fmt: skip
+                               self.demand, self.adapter_hysteresis, self.adapter_copies)  # fmt: skip
         return self.choose_from(table, request.num_tokens, view.block_size, len(request.block_hashes), key, slots)
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
@@ -217,6 +215,12 @@ class KVRoutePolicy(Policy):
         if self.eviction:
             c = decision.expected_cached_tokens
             self.reuse.observe(c, request.num_tokens - c)
+        if self.live is not None:
+            self.live.observe(decision.replica_id, request.block_hashes[0] if request.block_hashes else None)
+
+    def on_replica_removed(self, replica_id: ReplicaId) -> None:
+        if self.live is not None:
+            self.live.forget(replica_id)
 
     def choose_from(
         self, table: CandidateTable, num_tokens: int, block_size: int, num_blocks: int = 0, key: int = 0,
@@ -232,12 +236,17 @@ class KVRoutePolicy(Policy):
         qlen = table.queue_len
         saturated = self.saturated_stick and min(table.backlog) > 0
         blimit = self.batch_limit(qlen)
+        cap = table.max_requests
+        full = cap and max(qlen) >= cap > min(qlen)  # some candidate would pass the request on by queue length
+        if full:
+            blimit = min(blimit, cap - 1)
+            slots = None if slots is None else [inf if q >= cap else c for q, c in zip(qlen, slots)]
         over = max(qlen) > blimit
         least = min(table.free_blocks)
         kv_short = least < inf and least * block_size - max(table.queued) < n  # someone may lack KV room
         top = est.top
         blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
-        cheap = None if slots is None else [c < 1.0 for c in slots] if min(slots) < 1.0 else [c == min(slots) for c in slots]
+        cheap = None if slots is None else cheapest(slots)
         if (top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit)
                 and not (blocked and blocked[top]) and (cheap is None or cheap[top])):  # fmt: skip
             if self._clear_owner(est, n, saturated):
@@ -342,7 +351,8 @@ class KVRoutePolicy(Policy):
     ) -> int:
         """No owner eligible: a new prefix goes to the roomiest cache among the
         admissible near-best (those with the request's adapter resident first, if any),
-        then the fastest; anything else to the fastest admissible replica (then the
+        then the one serving the fewest live prefixes (``live_prefixes.py``), then the
+        fastest; anything else to the fastest admissible replica (then the
         shorter queue, the first)."""
         qlen = table.queue_len
         if not est.longest and table.room is not None:
@@ -358,6 +368,9 @@ class KVRoutePolicy(Policy):
                 rooms = table.room(eligible)
                 high = max(rooms) - self.fill_slack * num_blocks
                 eligible = list(compress(eligible, map(ge, rooms, repeat(high))))
+            if self.live is not None and len(eligible) > 1:  # then the fewest prefixes in use
+                live = [self.live.count(table.candidates[i]) for i in eligible]
+                eligible = list(compress(eligible, map(eq, live, repeat(min(live)))))
             return self._fastest(eligible, ts, qlen, key)
         if ts.count(best) == 1:  # the usual case: one fastest replica
             return ts.index(best)

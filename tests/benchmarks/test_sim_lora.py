@@ -59,3 +59,16 @@ def test_cold_adapters_of_one_step_load_in_name_order():
         slots.register(AdapterInfo(n, None, 16))
     assert slots.acquire(names) == pytest.approx(6 * COST.adapter_load_time(16))
     assert list(slots.resident) == sorted(names) and slots.acquire(names[:2]) == 0.0
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "consistent_hash"])
+def test_a_replica_at_its_serving_cap_passes_requests_on_unless_the_router_avoids_it(policy):
+    """Two replicas taking at most 2 requests at once, three long requests of one prefix
+    at once: consistent hashing sends all three to one replica, which passes the third
+    on (Serve's behaviour) to the one holding fewest; kvroute reads the cap in the load
+    reports and places the third itself, so nothing is passed on."""
+    reqs = [W.RequestSpec(f"q{i}", tuple(range(64)) + (1000 + i,), 64, arrival_s=0.001 * i) for i in range(3)]
+    cfg = SimConfig(num_replicas=2, kv_blocks=500, max_requests=2)
+    m = Simulation(W.Workload("t", reqs), policy, COST, cfg).run()
+    assert m["completed"] == 3 and m["leaked_blocks"] == 0
+    assert m["passed_on"] == (0 if policy == "kvroute" else 1)

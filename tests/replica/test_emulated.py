@@ -169,3 +169,12 @@ def test_a_cpu_profile_prices_prefill_attention_by_position(tiny_llama_path):
     assert deep > 2.5 * profile.step_time(512, 0, 0, attention_pairs(0, 512))
     whole = sum(profile.step_time(512, 0, 0, attention_pairs(s, min(s + 512, 6525))) for s in range(0, 6525, 512))
     assert 45 < whole < 55
+
+
+def test_the_serving_layers_cap_is_reported_with_the_load(tiny_llama_path):
+    """``max_requests`` (Serve's ``max_ongoing_requests``, set by the replica deployment)
+    rides every load report, so a router avoids a replica that would pass its request on."""
+    assert emulated(tiny_llama_path, max_requests=48).load().max_requests == 48
+    assert emulated(tiny_llama_path).load().max_requests == 0
+    with pytest.raises(ValueError, match="max_requests must be >= 0"):
+        EngineConfig(max_requests=-1)

@@ -293,3 +293,30 @@ def test_queued_prefill_tokens_count_a_shared_prefix_once():
     assert sched2.queued_prefill_tokens() == 40 + 2
     out = run_step(sched2)  # both admitted in one step: b computes only its suffix
     assert [(r.num_computed, r.num_new) for r in out.rows] == [(0, 40), (36, 2)]
+
+
+def _lora_req(name, base):
+    return Request(RequestId(f"r{next(_ids)}"), list(range(base, base + 5)), SamplingParams(max_tokens=8), HashSpec(BS),
+                   lora_name=name)  # fmt: skip
+
+
+def test_a_cold_adapter_is_passed_over_and_the_thinnest_running_adapter_drains_for_it():
+    """Two slots, running a (twice) and b (once): c is passed over and the requests of
+    running adapters behind it are admitted, except b's: b has the fewest running and
+    drains, so c takes its slot as soon as b's request ends (it keeps its place)."""
+    kv = KVCacheManager(100, BS, True)
+    sched = Scheduler(SchedulerConfig(1000, 64, True, True, max_loras=2), kv)
+    a1, a2, b1 = _lora_req("a", 0), _lora_req("a", 100), _lora_req("b", 200)
+    for r in (a1, a2, b1):
+        sched.add(r)
+    run_step(sched)
+    c, a3, b2 = _lora_req("c", 300), _lora_req("a", 400), _lora_req("b", 500)
+    for r in (c, a3, b2):
+        sched.add(r)
+    run_step(sched)
+    assert {r.request_id for r in sched.running} == {a1.request_id, a2.request_id, b1.request_id, a3.request_id}
+    assert [r.request_id for r in sched.waiting] == [c.request_id, b2.request_id]
+    finish(sched, b1)
+    run_step(sched)
+    assert c.status == RequestStatus.RUNNING and b2.status == RequestStatus.WAITING  # b2 waits for a or c now
+    assert {r.lora_name for r in sched.running} == {"a", "c"}

@@ -7,7 +7,7 @@ import pytest
 
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_events import KVEvents, LoadFigures
-from kvroute.router.adapter_sets import AdapterDemand, slot_price
+from kvroute.router.adapter_sets import AdapterDemand, cheapest, slot_price
 from kvroute.router.policies.kvroute import KVRoutePolicy
 from kvroute.router.router import Router
 
@@ -42,14 +42,34 @@ def test_slot_prices_order_resident_free_redundant_and_live():
     price = slot_price("x", resident, [2] * 5, d)
     assert price[0] == 0.0  # resident
     assert 0.0 < price[1] < 1.0  # a free slot; the share of demand already there
-    assert price[2] == 1.0 and price[3] == 1.0  # evicts a redundant copy of a (x needs it 2x more per copy)
-    assert price[4] == pytest.approx(2.0 + 1.0)  # b (5 over 2 copies) too much in demand: a live copy, e's 1 at least
+    assert 1.0 < price[2] == price[3] < 1.5  # evicts a redundant copy of a (x needs it 2x more per copy)
+    assert 1.0 < price[4] < 1.5  # x (8 of 20 over 5 replicas) wants a copy: e, single but 4x colder per copy, may go
+    legacy = slot_price("x", resident, [2] * 5, d, by_demand=False)
+    assert legacy[4] == pytest.approx(2.0 + 1.0)  # b too much in demand, e a single copy: a live copy, e's 1 at least
     assert slot_price("x", [(), ("a",)], [2, 2], d)[0] < slot_price("x", [(), ("a",)], [2, 2], d)[1]
     dead = AdapterDemand(half_life=1)
     dead.observe("a")
     for _ in range(5):
         dead.observe(None)
     assert slot_price("x", [("a", "b")], [2], dead)[0] < 1.0  # a and b no longer requested: their slots are free
+
+
+def test_an_adapter_past_a_replicas_fair_share_evicts_a_much_colder_one_for_a_copy():
+    """h draws 12 of 26 requests over 3 replicas (fair share 8.7): one copy cannot keep
+    up, so with ``by_demand`` it may evict the single copy of an adapter at least twice
+    colder per copy than its own would be (c: 1 against 6), never a hot one (w: 5, g: 4);
+    without it, only a redundant copy (e's, 2 per copy) could give up its slot."""
+    d = _demand(h=12, w=5, c=1, e=4, g=4)
+    resident = [("h", "e"), ("w", "c"), ("e", "g")]
+    price = slot_price("h", resident, [2] * 3, d)
+    assert price[0] == 0.0 and 1.0 < price[1] < price[2] < 1.5  # c's slot before e's redundant copy
+    assert cheapest(price) == [True, True, True]  # the TTFT decides between the owner and a copy
+    legacy = slot_price("h", resident, [2] * 3, d, by_demand=False)
+    assert legacy[1] == pytest.approx(2.0 + 1.0) and 1.0 < legacy[2] < 1.5
+    assert cheapest(legacy) == [True, False, True]
+    cool = _demand(h=6, w=5, c=1, e=4, g=4)  # h under the fair share (6.7): c's slot is not for a copy
+    assert slot_price("h", resident, [2] * 3, cool)[1] >= 2.0
+    assert cheapest([2.5, 3.0, 2.5]) == [True, False, True]  # every slot evicts a live one: the cheapest
 
 
 def _router(scarcity: bool) -> Router:

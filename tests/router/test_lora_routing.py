@@ -97,7 +97,7 @@ def test_a_cold_load_is_weighed_against_the_resident_replicas_queue(load_s, expe
 
 def test_a_replica_whose_slots_running_requests_hold_takes_no_other_adapter():
     """r0 owns the prompt and is idle-ish, but its running requests hold both its slots
-    with other adapters: x would wait there (and block its queue), so r1 takes it."""
+    with other adapters: x would wait there for one to drain, so r1 takes it."""
     full = LoadFigures(**RATE, num_running=2, running_loras=("p", "q"), resident_loras=("p", "q"), max_loras=2)
     r = _router(r0=full, r1=LoadFigures(**RATE, num_running=6, max_loras=2, running_loras=("p",)))
     h, n = _prompt(6, "x")
@@ -108,3 +108,31 @@ def test_a_replica_whose_slots_running_requests_hold_takes_no_other_adapter():
     assert r.route(*_prompt(8, "x"), lora_name="x").replica_id == "r1"
     # no slot anywhere for y: the rule steps aside and the TTFT decides (r0: fewer running)
     assert r.route(*_prompt(9, "y"), lora_name="y").replica_id == "r0"
+
+
+@pytest.mark.parametrize("cap", [0, 40])
+def test_an_owner_at_the_serving_layers_cap_is_passed_over_by_the_policy_not_by_serve(cap):
+    """x is resident on r0 only, and r0 holds 40 requests. With no cap the slot rule
+    keeps x on r0 (every other slot holds an adapter still in use). When r0's load
+    report says its serving layer takes at most 40 at once, Serve would hand the request
+    to the shortest queue, whatever it holds: the policy picks the replica itself, the
+    one where x evicts the least demand (r2's w, requested once; r1's least is q, twice)."""
+    busy = dict(**RATE, num_running=40, resident_loras=("x",), running_loras=("x",), max_loras=2, max_requests=cap)
+    r = _router(r0=LoadFigures(**busy),
+                r1=LoadFigures(**RATE, num_running=1, resident_loras=("p", "q"), max_loras=2, max_requests=cap),
+                r2=LoadFigures(**RATE, num_running=3, resident_loras=("v", "w"), max_loras=2, max_requests=cap))  # fmt: skip
+    for name in ["p", "p", "p", "q", "q", "w", "v", "v", "x", "x"]:
+        r.policy.demand.observe(name)
+    h, n = _prompt(9, "x")
+    r.apply(KVEvents("r0", 2, stored=list(h), load=LoadFigures(**busy)))
+    assert r.route(h, n, lora_name="x").replica_id == ("r2" if cap else "r0")
+
+
+@pytest.mark.parametrize("cap,expect", [(0, "r0"), (41, "r0"), (40, "r1")])
+def test_a_base_model_owner_at_the_cap_is_passed_over_too(cap, expect):
+    """r0 owns the prompt with 40 requests, r1 has 30: within the batch slack r0 keeps
+    its prefix's request, unless its serving layer's cap is 40."""
+    r = _router(r0=LoadFigures(**RATE, num_running=40, max_requests=cap), r1=LoadFigures(**RATE, num_running=30, max_requests=cap))
+    h, n = _prompt(3, None)
+    r.apply(KVEvents("r0", 2, stored=list(h), load=LoadFigures(**RATE, num_running=40, max_requests=cap)))
+    assert r.route(h, n).replica_id == expect
