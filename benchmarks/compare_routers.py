@@ -142,11 +142,67 @@ def run(args: argparse.Namespace) -> int:
     return 0 if errors == 0 else 1
 
 
+# ---------------------------------------------------------------------- kept fleets
+_kept: Optional["KeptFleet"] = None
+
+
+def kept_fleet() -> Optional["KeptFleet"]:
+    """The ``KeptFleet`` whose block is running, if any."""
+    return _kept
+
+
+class KeptFleet:
+    """Opt-in for a caller that runs several comparisons in one process (a test module):
+    inside ``with KeptFleet(hash_seed):``, ``compare`` takes its Serve fleet from here
+    and leaves it deployed at the end, so the next comparison with the same
+    ``FleetConfig`` (``add_replicas`` aside) and engine settings only swaps the router
+    (a reconfigure; every run still starts from cold caches) instead of starting the
+    engine replicas anew. ``hash_seed`` is every engine's block-hash seed: a comparison
+    otherwise draws one, which is another engine version and so new replicas. One
+    fleet at a time (other settings close the kept one); a failed comparison and
+    leaving the block close it. Without it each comparison deploys and deletes its own
+    fleet (the command line never keeps one)."""
+
+    def __init__(self, hash_seed: int) -> None:
+        self.hash_seed = hash_seed
+        self._fleet: Optional[ServeFleet] = None
+        self._key: Any = None
+
+    def serve_fleet(self, fleet: FleetConfig, engine_kwargs: dict[str, Any]) -> ServeFleet:
+        """The kept fleet for these settings (started by its first ``start``)."""
+        key = (dataclasses.replace(fleet, add_replicas=0), json.dumps(engine_kwargs, sort_keys=True, default=str))
+        if self._fleet is not None and key == self._key:
+            self._fleet.reuse(fleet)
+        else:
+            self.close()
+            self._fleet, self._key = ServeFleet(fleet, engine_kwargs), key
+        return self._fleet
+
+    def close(self) -> None:
+        """Delete the kept fleet's applications and router actors."""
+        fleet, self._fleet, self._key = self._fleet, None, None
+        if fleet is not None:
+            fleet.close()
+
+    def __enter__(self) -> "KeptFleet":
+        global _kept
+        if _kept is not None:
+            raise RuntimeError("a KeptFleet is already active")
+        _kept = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _kept
+        _kept = None
+        self.close()
+
+
 # ---------------------------------------------------------------------- the comparison
 def _settings(cfg: CompareConfig, routers: list[str]) -> tuple[dict[str, Any], LoadConfig]:
     """The engines' settings (one hash seed for every redeploy; emulation) and the load."""
     engine_kwargs = dict(cfg.engine_kwargs)
-    engine_kwargs.setdefault("hash_seed", secrets.randbits(63))
+    kept = kept_fleet()
+    engine_kwargs.setdefault("hash_seed", kept.hash_seed if kept else secrets.randbits(63))
     time_scale = cfg.load.time_scale
     if cfg.emulate:
         engine_kwargs["emulate"] = cfg.emulate
@@ -263,11 +319,13 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
     label = cfg.label or cfg.workload.name
     out_dir = Path(cfg.out_dir) if cfg.out_dir else options.results_dir("compare_routers") / label
 
-    serve_fleet, external_fleet = ServeFleet(cfg.fleet, engine_kwargs), ExternalFleet(cfg.fleet, engine_kwargs)
+    kept = kept_fleet() if any(r not in EXTERNAL_ROUTERS for r in routers) else None
+    serve_fleet = kept.serve_fleet(cfg.fleet, engine_kwargs) if kept else ServeFleet(cfg.fleet, engine_kwargs)
+    external_fleet = ExternalFleet(cfg.fleet, engine_kwargs)
     fleets: dict[str, Fleet] = {r: external_fleet if r in EXTERNAL_ROUTERS else serve_fleet for r in routers}
     if any(f is serve_fleet for f in fleets.values()):
         _join_ray(cfg.fleet)
-        if routers[0] != "kvroute":
+        if routers[0] not in ("kvroute", ONE_ROUTER) and not serve_fleet.has_control:
             serve_fleet.start("kvroute")  # the control handle must be built under kvroute's request router
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
@@ -275,9 +333,14 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
         for rate in rates:
             for router in routers:
                 results[f"{router}_rate{rate:g}"] = _one_run(fleets[router], router, rate, config, decode, cfg)
+    except BaseException:
+        if kept:
+            kept.close()  # a failed comparison leaves nothing behind for the next
+        raise
     finally:
         for fleet in {id(f): f for f in fleets.values()}.values():
-            fleet.close()  # (one external router at a time: each start() stops the one before)
+            if not (kept and fleet is serve_fleet):  # a kept fleet stays up for the next comparison
+                fleet.close()  # (one external router at a time: each start() stops the one before)
     from kvroute.benchmarks.common import machine
 
     workload, f = cfg.workload, cfg.fleet

@@ -8,6 +8,7 @@ that grow to ``--replicas`` mid-run (``--add-replicas``, ``add_replicas``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -113,11 +114,26 @@ class ServeFleet:
         self.base_urls = [f"http://127.0.0.1:{fleet.http_port}/{self.ingress_app(i)}" for i in range(self.ingresses)]
         self.base_url = self.base_urls[0]
         self.replica_ids: list[str] = []
+        self._killed: set[str] = set()  # replicas killed during the run: they report no more counters
         self._control = None  # handle whose request router is kvroute's (addressed calls)
         self._changed = False  # replicas were replaced or added since the last start
         self._starts = 0
         self.initial = fleet.replicas - fleet.add_replicas  # the fleet's size when a run starts
         self.size = self.initial
+
+    @property
+    def has_control(self) -> bool:
+        """Whether the control handle (built under kvroute's request router) is up."""
+        return self._control is not None
+
+    def reuse(self, fleet: FleetConfig) -> None:
+        """Run the next comparison on this deployed fleet with ``fleet``'s
+        ``add_replicas`` (the rest of ``fleet`` must be this one's)."""
+        if dataclasses.replace(fleet, add_replicas=0) != dataclasses.replace(self.fleet, add_replicas=0):
+            raise ValueError(f"another fleet: {fleet} is not {self.fleet}")
+        initial = fleet.replicas - fleet.add_replicas
+        self.fleet, self._changed = fleet, self._changed or initial != self.initial
+        self.initial = self.size = initial
 
     def ingress_app(self, i: int) -> str:
         """The application (and route prefix) of ingress ``i``; 0 is the engines' own."""
@@ -226,7 +242,7 @@ class ServeFleet:
 
         t0 = time.perf_counter()
         self._starts += 1
-        self.size = self.initial
+        self.size, self._killed = self.initial, set()
         self.deploy(router)
         t_deploy = time.perf_counter() - t0
         ids = self.wait_registered(self.size)
@@ -272,7 +288,8 @@ class ServeFleet:
                 "prepare_s": time.perf_counter() - t0, "deploy_s": t_deploy, "reset_s": t_reset}  # fmt: skip
 
     def counters(self) -> dict[str, dict[str, float]]:
-        return wait_counters(self.base_url, self.replica_ids)
+        """Once every replica still alive has reported (a killed one never will again)."""
+        return wait_counters(self.base_url, [rid for rid in self.replica_ids if rid not in self._killed])
 
     def router_counters(self) -> dict[str, float]:
         """The application's counters (any ingress's ``/metrics`` sums every ingress),
@@ -312,6 +329,7 @@ class ServeFleet:
             name = f"SERVE_REPLICA::{self.app_name}#{self.config.deployment_name}#{uid}"
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         self._changed = True
+        self._killed.update(victims)
         return victims
 
     def add_replicas(self, n: int) -> list[str]:

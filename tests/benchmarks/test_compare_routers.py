@@ -118,3 +118,31 @@ def test_replica_version_ignores_router_and_scaling_fields_only():
         dataclasses.replace(base, max_ongoing_requests=3),
     ]
     assert len({replica_version(c) for c in other} | {replica_version(base)}) == 4
+
+
+def test_a_kept_fleet_fixes_the_hash_seed_and_serves_the_same_settings_again(monkeypatch):
+    """The opt-in that lets a test module's comparisons share one deployment: the same
+    fleet and engine settings (``add_replicas`` aside) get the same ``ServeFleet``,
+    other settings close it and get a new one, and leaving the block closes the last."""
+    from kvroute.benchmarks import compare_routers as cr
+    from kvroute.benchmarks.fleets import FleetConfig, ServeFleet
+    from kvroute.benchmarks.serving_config import LoadConfig
+    from kvroute.benchmarks.workloads import make_workload
+
+    closed = []
+    monkeypatch.setattr(ServeFleet, "close", lambda self: closed.append(self))
+    cfg = cr.CompareConfig(workload=make_workload("generated-shared-prefix", seed=0, scale=0.05), load=LoadConfig())
+    drawn = {cr._settings(cfg, ["kvroute"])[0]["hash_seed"] for _ in range(2)}
+    assert cr.kept_fleet() is None and len(drawn) == 2  # without it, a seed drawn per comparison
+    with cr.KeptFleet(hash_seed=5) as kept:
+        assert cr.kept_fleet() is kept
+        kw, _ = cr._settings(cfg, ["kvroute"])
+        assert kw == {"block_size": 16, "hash_seed": 5}
+        a = kept.serve_fleet(FleetConfig(replicas=4), kw)
+        b = kept.serve_fleet(FleetConfig(replicas=4, add_replicas=1), dict(kw))
+        assert b is a and (a.initial, a.fleet.add_replicas) == (3, 1) and not closed
+        c = kept.serve_fleet(FleetConfig(replicas=4), {**kw, "block_size": 32})
+        assert c is not a and closed == [a]
+        with pytest.raises(RuntimeError):
+            cr.KeptFleet(hash_seed=6).__enter__()
+    assert cr.kept_fleet() is None and closed == [a, c]

@@ -1,6 +1,7 @@
 """The fleet-scale scenario matrix, CI-sized: 4 emulated replicas, one small scenario,
-kvroute and power of two on one Serve fleet and SGLang's real router in front of
-`serve-replica --emulate` processes. Asserts the run's invariants, not its speed."""
+kvroute and power of two on one Serve fleet (the module's tests share it) and SGLang's
+real router in front of `serve-replica --emulate` processes. Asserts the run's
+invariants, not its speed."""
 
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ from kvroute.benchmarks import fleet_matrix  # noqa: E402
 from kvroute.benchmarks.fleets import external_available  # noqa: E402
 
 
-def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], time_scale: str, len_scale: str) -> int:
-    """One load (0.5) of one scenario on 4 emulated replicas at scale 0.05."""
+def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], len_scale: str) -> int:
+    """One load (0.5) of one scenario on 4 emulated replicas at scale 0.05 and time scale
+    4: the same engines in every test, so the module's kept fleet serves them all."""
     return bench([
-        "fleet_matrix", "--replicas", "4", "--time-scale", time_scale, "--scenarios", scenario, "--loads", "0.5",
+        "fleet_matrix", "--replicas", "4", "--time-scale", "4", "--scenarios", scenario, "--loads", "0.5",
         "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", len_scale,
-        "--http-port", ray_cluster.rsplit(":", 1)[1], "--app-name", f"fleet{scenario}", "--out-dir", str(out),
+        "--http-port", ray_cluster.rsplit(":", 1)[1], "--app-name", "fleetmatrix", "--out-dir", str(out),
         "--timeout-s", "120",
     ])  # fmt: skip
 
 
-def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, tmp_path, capsys):
+def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, kept_fleet, tmp_path, capsys):
     routers = ["kvroute", "power_of_two"] + [r for r in ["sglang_router"] if external_available(r)]
     out = tmp_path / "matrix"
-    assert _run_matrix(ray_cluster, out, "gsp", routers, "2", "0.1") == 0
+    assert _run_matrix(ray_cluster, out, "gsp", routers, "0.1") == 0
     printed = capsys.readouterr().out
     assert f"fleet_matrix: 1 scenarios x {len(routers)} routers, {len(routers)} runs, 0 errors (0 kvroute's)" in printed
     matrix = json.loads((out / "matrix.json").read_text())
@@ -67,13 +69,13 @@ def _event_scenario_runs(ray_cluster, tmp_path, capsys, scenario):
     installed); the workload and each router's (matrix row, run JSON)."""
     routers = ["kvroute"] + [r for r in ["sglang_router"] if external_available(r)]
     out = tmp_path / scenario
-    assert _run_matrix(ray_cluster, out, scenario, routers, "4", "0.2") == 0, capsys.readouterr().out[-3000:]
+    assert _run_matrix(ray_cluster, out, scenario, routers, "0.2") == 0, capsys.readouterr().out[-3000:]
     matrix = json.loads((out / "matrix.json").read_text())
     runs = [(row, json.loads((out / scenario / f"{row['run']}.json").read_text())) for row in matrix["rows"]]
     return fleet_matrix.workload_of(scenario, 0.05, 0.2, 0), runs
 
 
-def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_cluster, tmp_path, capsys):
+def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_cluster, kept_fleet, tmp_path, capsys):
     workload, runs = _event_scenario_runs(ray_cluster, tmp_path, capsys, "failure")
     for row, run in runs:
         assert len(run["killed_replicas"]) == 1, run["killed_replicas"]  # 1 of 8, at least one
@@ -82,7 +84,7 @@ def test_the_failure_scenario_kills_a_replica_mid_run_and_loses_no_request(ray_c
             assert run["failed"] == 0 and run["total_output_tokens"] == workload.output_tokens
 
 
-def test_the_scale_out_scenario_grows_the_fleet_mid_run(ray_cluster, tmp_path, capsys):
+def test_the_scale_out_scenario_grows_the_fleet_mid_run(ray_cluster, kept_fleet, tmp_path, capsys):
     workload, runs = _event_scenario_runs(ray_cluster, tmp_path, capsys, "scale-out")
     for row, run in runs:
         assert len(run["added_replicas"]) == 1, run  # a quarter of 4 joins at mid-run
