@@ -18,7 +18,7 @@ from kvroute.benchmarks import soak  # noqa: E402
 def test_short_soak_against_kvroute_serve(tiny_llama_path, tmp_path, capsys):
     out = tmp_path / "soak.json"
     rc = bench([
-        "soak", "--minutes", "0.25", "--model", str(tiny_llama_path), "--replicas", "2", "--dtype", "float32",
+        "soak", "--minutes", "0.1", "--model", str(tiny_llama_path), "--replicas", "2", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--concurrency", "3",
         "--max-tokens", "8", "--out", str(out),
     ])
@@ -35,4 +35,4 @@ def test_short_soak_against_kvroute_serve(tiny_llama_path, tmp_path, capsys):
     assert roles == {"replica", "router", "http"} and len(result["windows"][-1]["kv_usage"]) == 2
     assert set(result["rss_growth_mib"]) == set(result["windows"][0]["rss_mib"])
     assert result["ttft_p99_s"] is not None
-    assert "soak: 0.25 min" in capsys.readouterr().out
+    assert "soak: 0.1 min" in capsys.readouterr().out
