@@ -3,7 +3,9 @@
 shell with ``RAY_AUTH_MODE=token``, which Ray 2.60's token authentication needs)
 ``serve run deploy/serve.yaml`` answering a completion and ``ray job submit`` of a small
 benchmark; then that cluster is stopped through its own processes (``ray stop`` would
-take every Ray cluster on the machine with it, the test session's own included)."""
+take every Ray cluster on the machine with it, the test session's own included). The
+same cluster (one start, module-scoped) also runs test_working_dir's real ``ray job
+submit --working-dir`` of a checkout copy."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray")
 
 from tests.conftest import free_port  # noqa: E402
+from tests.deploy.test_working_dir import SITE_PACKAGES, _copy_checkout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -112,27 +115,48 @@ def _serve_config(model_path: Path, port: int) -> dict:
     return config
 
 
-def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
+@pytest.fixture(scope="module")
+def token_cluster():
+    """docs/cluster.md's first steps, once for this module: ``ray get-auth-token
+    --generate`` (a token file, so that ``ray start`` turns token auth on), then ``ray start
+    --head`` on free ports; yields its ports, the client environment (``RAY_AUTH_MODE=token``,
+    ``RAY_ADDRESS``) and its temp folder. Afterwards the cluster is stopped through its own
+    processes, none left, and /tmp/ray/ray_current_cluster is put back."""
     current_before = CURRENT_CLUSTER.read_text() if CURRENT_CLUSTER.exists() else None
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray puts sockets under it
     ports = {name: free_port() for name in ("gcs", "dashboard", "http", "client", "agent", "agent_grpc", "metrics", "env_agent")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env |= {"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # docs/cluster.md's first step: a token file, so that `ray start` turns token auth on.
     token = _run([str(BIN / "ray"), "get-auth-token", "--generate"], env, 60)
-    assert token.returncode == 0 and (Path.home() / ".ray" / "auth_token").exists(), token.stderr
-    start = _run(
-        [str(BIN / "ray"), "start", "--head", "--port", str(ports["gcs"]), "--dashboard-port", str(ports["dashboard"]),
-         "--include-dashboard", "true", "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
-         "--ray-client-server-port", str(ports["client"]), "--dashboard-agent-listen-port", str(ports["agent"]),
-         "--dashboard-agent-grpc-port", str(ports["agent_grpc"]), "--metrics-export-port", str(ports["metrics"]),
-         "--runtime-env-agent-port", str(ports["env_agent"])],
-        env, 120,
-    )
-    serve_proc = None
+    assert token.returncode == 0, token.stderr
     try:
+        start = _run(
+            [str(BIN / "ray"), "start", "--head", "--port", str(ports["gcs"]), "--dashboard-port", str(ports["dashboard"]),
+             "--include-dashboard", "true", "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
+             "--ray-client-server-port", str(ports["client"]), "--dashboard-agent-listen-port", str(ports["agent"]),
+             "--dashboard-agent-grpc-port", str(ports["agent_grpc"]), "--metrics-export-port", str(ports["metrics"]),
+             "--runtime-env-agent-port", str(ports["env_agent"])],
+            env, 120,
+        )
         assert start.returncode == 0, start.stdout + start.stderr
         client_env = env | {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"127.0.0.1:{ports['gcs']}"}
+        yield ports, client_env, Path(temp_dir)
+    finally:
+        _stop_cluster(temp_dir, f"--address={_node_ip()}:{ports['gcs']}", f"127.0.0.1:{ports['gcs']}")
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        # `ray start` records its address in /tmp/ray/ray_current_cluster, where a later
+        # `ray.init()` would try to join the stopped cluster: put back what was there
+        if current_before is None:
+            CURRENT_CLUSTER.unlink(missing_ok=True)
+        else:
+            CURRENT_CLUSTER.write_text(current_before)
+
+
+def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path, token_cluster):
+    ports, client_env, _ = token_cluster
+    assert (Path.home() / ".ray" / "auth_token").exists()  # the token `ray start` turned auth on with
+    serve_proc = None
+    try:
         config_path = tmp_path / "serve.yaml"
         config_path.write_text(yaml.safe_dump(_serve_config(tiny_llama_path, ports["http"])))
         serve_proc = subprocess.Popen(
@@ -151,7 +175,7 @@ def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "the application never answered:\n" + "".join(output[-50:])
-            time.sleep(1.0)
+            time.sleep(0.5)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
@@ -174,11 +198,23 @@ def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path):
                 serve_proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 serve_proc.kill()
-        _stop_cluster(temp_dir, f"--address={_node_ip()}:{ports['gcs']}", f"127.0.0.1:{ports['gcs']}")
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        # `ray start` records its address in /tmp/ray/ray_current_cluster, where a later
-        # `ray.init()` would try to join the stopped cluster: put back what was there
-        if current_before is None:
-            CURRENT_CLUSTER.unlink(missing_ok=True)
-        else:
-            CURRENT_CLUSTER.write_text(current_before)
+
+
+def test_ray_job_submit_with_the_checkout_as_working_dir(tmp_path, token_cluster):
+    """A source checkout imports without an install (see test_working_dir.py), for real:
+    ``ray job submit --working-dir <checkout copy> -- python -S -c "import
+    kvroute.benchmarks.fleets"`` on the token-auth cluster: the job's Python has no
+    install's finder (``-S``), so the import works only through the facade, from Ray's
+    unpacked copy of the working dir."""
+    ports, client_env, temp_dir = token_cluster
+    checkout = _copy_checkout(tmp_path / "checkout")
+    probe = ("import json, os, sys; sys.path.append(sys.argv[1]); import kvroute.benchmarks.fleets as f; "
+             "print('PROBE', json.dumps([f.__file__, os.getcwd()]))")  # fmt: skip
+    job = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{ports['dashboard']}",
+                          "--working-dir", str(checkout), "--", sys.executable, "-S", "-c", probe, SITE_PACKAGES],
+                         env=client_env, cwd=tmp_path, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, job.stdout[-3000:] + job.stderr[-3000:]
+    (line,) = [ln for ln in job.stdout.splitlines() if ln.startswith("PROBE ")]
+    file, cwd = json.loads(line[len("PROBE "):])
+    assert Path(cwd) != checkout and Path(cwd).is_relative_to(temp_dir)  # Ray's unpacked copy, not ours
+    assert Path(file) == Path(cwd) / "benchmarks" / "fleets.py"

@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -125,78 +124,5 @@ def test_this_checkout_resolves_to_its_own_folders(module):
     assert Path(importlib.import_module(module).__file__) == REPO / package_dir[module] / "__init__.py"
 
 
-def _descendants_of(markers: tuple[str, ...]) -> set[int]:
-    """Processes whose command line names one of ``markers`` (the cluster's own temp
-    folder or GCS port: this test's cluster, no other), with all their descendants."""
-    cmdlines, children = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid for pid, cmd in cmdlines.items() if any(m.encode() in cmd for m in markers)]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(children.get(pid, ()))
-    return found
-
-
-def _stop(markers: tuple[str, ...]) -> None:
-    import signal
-    import time
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _descendants_of(markers):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while _descendants_of(markers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    assert not _descendants_of(markers), "the test's Ray cluster left processes behind"
-
-
-def test_ray_job_submit_with_the_checkout_as_working_dir(tmp_path):
-    """The real thing: a local Ray cluster (token auth on, as Ray 2.60 has it), and
-    ``ray job submit --working-dir <checkout copy> -- python -S -c "import
-    kvroute.benchmarks.fleets"``: the job's Python has no install's finder (``-S``), so
-    the import works only through the facade, from Ray's unpacked copy of the working dir."""
-    pytest.importorskip("ray")
-    from tests.conftest import free_port
-
-    checkout = _copy_checkout(tmp_path / "checkout")
-    temp_dir = Path(tempfile.mkdtemp(prefix="kvrwd", dir="/tmp"))  # short: Ray puts sockets under it
-    bin_dir = Path(sys.executable).parent
-    ports = {name: free_port() for name in ("gcs", "dashboard", "client", "agent", "agent_grpc", "metrics", "env_agent")}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= {"HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
-    run = lambda args, timeout: subprocess.run(args, env=env, cwd=tmp_path, capture_output=True,  # noqa: E731
-                                               text=True, timeout=timeout)  # fmt: skip
-    token = run([str(bin_dir / "ray"), "get-auth-token", "--generate"], 60)
-    assert token.returncode == 0, token.stderr
-    probe = ("import json, os, sys; sys.path.append(sys.argv[1]); import kvroute.benchmarks.fleets as f; "
-             "print('PROBE', json.dumps([f.__file__, os.getcwd()]))")  # fmt: skip
-    try:
-        start = run([str(bin_dir / "ray"), "start", "--head", "--port", str(ports["gcs"]),
-                     "--dashboard-port", str(ports["dashboard"]), "--include-dashboard", "true", "--num-cpus", "1",
-                     "--temp-dir", str(temp_dir), "--disable-usage-stats", "--ray-client-server-port", str(ports["client"]),
-                     "--dashboard-agent-listen-port", str(ports["agent"]), "--dashboard-agent-grpc-port",
-                     str(ports["agent_grpc"]), "--metrics-export-port", str(ports["metrics"]),
-                     "--runtime-env-agent-port", str(ports["env_agent"])], 120)  # fmt: skip
-        assert start.returncode == 0, start.stdout + start.stderr
-        job = run([str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{ports['dashboard']}",
-                   "--working-dir", str(checkout), "--", sys.executable, "-S", "-c", probe, SITE_PACKAGES], 180)  # fmt: skip
-        assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, job.stdout[-3000:] + job.stderr[-3000:]
-        (line,) = [ln for ln in job.stdout.splitlines() if ln.startswith("PROBE ")]
-        file, cwd = json.loads(line[len("PROBE "):])
-        assert Path(cwd) != checkout and Path(cwd).is_relative_to(temp_dir)  # Ray's unpacked copy, not ours
-        assert Path(file) == Path(cwd) / "benchmarks" / "fleets.py"
-    finally:
-        _stop((str(temp_dir), f":{ports['gcs']}"))
-        shutil.rmtree(temp_dir, ignore_errors=True)
+# The real `ray job submit --working-dir` of a checkout copy runs on test_ray_cluster_flow.py's
+# token-auth cluster (test_ray_job_submit_with_the_checkout_as_working_dir): one `ray start` for both.
