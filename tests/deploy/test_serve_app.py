@@ -1,5 +1,17 @@
 """The Ray Serve application end to end: ``build_app`` on a real local Ray cluster,
-requests through Serve's HTTP proxy on loopback with the official ``openai`` client."""
+requests through Serve's HTTP proxy on loopback with the official ``openai`` client.
+
+The module's application (``app``: 2 replicas, the tool flags, the fuzzing limits) also
+takes hostile and generated input, last: the hostile table (tests/deploy/hostile.py:
+wrong types, NaN/Infinity/huge integers, surrogates, invalid UTF-8, nested prompt lists,
+bad ids, enormous stop lists, bodies over the limit, unknown fields (a 400 naming them),
+bad logits fields and structured-output specs, tool fields, wrong content types), and
+schemathesis generating valid and invalid requests from the app's own ``/openapi.json``
+(bounded and derandomized, so a CI run is repeatable). Whatever comes in: no 5xx but 503,
+every error in OpenAI's envelope, no answer later than the request timeout, and
+afterwards the service healthy, answering as before (the greedy text it gave when it
+came up), with no request running and no KV block in use.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +31,16 @@ from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
+from tests.deploy import hostile  # noqa: E402
 
 MODEL = "tiny-served"
 TOOL_FLAGS = {"chat_template": "chatml_tools", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+TIMEOUT_S = 20.0
+MAX_BODY_BYTES = 64 * 1024
+SLACK_S = 10.0  # HTTP and Serve around the request's own timeout
+# what the fuzzing (at the end of the module) may ask for at most
+FUZZ_LIMITS = {"max_n": 4, "max_prompts": 4, "request_timeout_s": TIMEOUT_S, "max_body_bytes": MAX_BODY_BYTES}
+GREEDY = {"prompt": "The rules of the archive are", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 def _args(model_path, app_name: str, **deployment) -> dict:
@@ -40,11 +59,13 @@ def _args(model_path, app_name: str, **deployment) -> dict:
 @pytest.fixture(scope="module")
 def app(ray_cluster, tiny_llama_path):
     name = "kvhttp"
-    parsed = parse_args({**_args(tiny_llama_path, name), "ingress": TOOL_FLAGS})
+    parsed = parse_args({**_args(tiny_llama_path, name), "ingress": {**TOOL_FLAGS, **FUZZ_LIMITS}})
     serve.run(build_app(parsed), name=name, route_prefix="/")
     router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
-    yield ray_cluster, router, parsed
+    before = httpx.post(ray_cluster + "/v1/completions", json=GREEDY, timeout=60)
+    assert before.status_code == 200, before.text
+    yield ray_cluster, router, parsed, before.json()["choices"][0]["text"]
     serve.delete(name)
     kill_router_actors(name)
 
@@ -56,7 +77,7 @@ def _states(router, cluster_config) -> dict[str, dict]:
 
 
 def test_completions_chat_and_prefix_hits_through_serve(app):
-    url, router, _ = app
+    url, router, _, _ = app
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     r = client.completions.create(model=MODEL, prompt="Hello through Serve", max_tokens=6, temperature=0)
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
@@ -77,7 +98,7 @@ def test_completions_chat_and_prefix_hits_through_serve(app):
 def test_metrics_cover_every_replica_and_the_router(app):
     from prometheus_client.parser import text_string_to_metric_families
 
-    url, router, _ = app
+    url, router, _, _ = app
     replicas = set(ray.get(router.replicas.remote()))
 
     def families():
@@ -118,7 +139,7 @@ def test_metrics_cover_every_replica_and_the_router(app):
 
 
 def test_replica_side_errors_are_400_and_unknown_model_404(app):
-    url, _, _ = app
+    url, _, _, _ = app
     resp = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop_token_ids": [10**6]}, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["message"].startswith("stop_token_ids must be in [0, ")  # the engine's own words
@@ -166,7 +187,7 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
 
 
 def test_client_disconnect_frees_blocks_on_the_replica(app):
-    url, router, parsed = app
+    url, router, parsed, _ = app
     config = parsed.cluster_config()
 
     async def leave_early():
@@ -271,7 +292,7 @@ def _stream_texts(c, route: str, body: dict) -> list[str]:
 def test_every_multi_request_body_is_served_through_serve(app):
     """n > 1, prompt lists (text and token ids), streaming and chat n > 1: each choice and
     each list entry is its own request to Serve, and each equals the lone request."""
-    url, router, parsed = app
+    url, router, parsed, _ = app
     body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     chat = {"messages": [{"role": "user", "content": "Name a color."}], **body}
     with httpx.Client(base_url=url, timeout=60) as c:
@@ -306,7 +327,7 @@ def test_every_multi_request_body_is_served_through_serve(app):
 def test_multi_request_bodies_do_not_hold_up_other_clients(app):
     """Five long n=2 / prompt-list requests in flight, then a short one-prompt request:
     it is served at once, and the long ones all finish."""
-    url, _, _ = app
+    url, _, _, _ = app
     long = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
 
     async def run():
@@ -337,7 +358,7 @@ def test_tools_json_schema_and_prompt_logprobs_through_serve(app):
     brings (also as echo's logprobs)."""
     import jsonschema
 
-    url, _, _ = app
+    url, _, _, _ = app
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     tz = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": tz}}]
@@ -365,3 +386,103 @@ def test_tools_json_schema_and_prompt_logprobs_through_serve(app):
     lp = echo.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) and echo.usage.completion_tokens == 0
     assert lp.token_logprobs[1:] == pytest.approx([next(iter(p.values()))["logprob"] for p in plp[1:]], abs=1e-4)
+
+
+# Hostile and generated input, last: the module's app after all of the above.
+
+
+def _check_response(status: int, content: bytes, content_type: str, elapsed_s: float) -> None:
+    assert elapsed_s < TIMEOUT_S + SLACK_S, f"answered after {elapsed_s:.1f} s"
+    assert status < 500 or status == 503, (status, content[:500])
+    if status >= 400:
+        err = hostile.check_envelope(status, content)
+        assert err["type"] != "server_error", err
+    elif content_type.startswith("text/event-stream"):
+        for line in content.decode().splitlines():
+            if line.startswith("data: {") and '"error"' in line:
+                err = json.loads(line[6:])["error"]
+                # A stream may end in an error event (its deadline), never an internal one.
+                assert err["type"] != "server_error", err
+
+
+def test_hostile_table_through_serve(app):
+    url, _, _, _ = app
+    rows = hostile.table(vocab_size=49152, max_body_bytes=MAX_BODY_BYTES)
+
+    async def send(c, row):
+        headers = {} if row.content_type is None else {"content-type": row.content_type}
+        started = time.monotonic()
+        resp = await c.post(row.route, content=row.body, headers=headers)
+        return row, resp, time.monotonic() - started
+
+    async def run():
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S + 2 * SLACK_S, limits=limits) as c:
+            return await asyncio.gather(*(send(c, row) for row in rows))
+
+    failures = []
+    for row, resp, elapsed in asyncio.run(run()):
+        try:
+            assert resp.status_code in row.statuses, (resp.status_code, resp.text[:300])
+            _check_response(resp.status_code, resp.content, resp.headers.get("content-type", ""), elapsed)
+            if resp.status_code == 400 and row.param is not None:
+                err = resp.json()["error"]
+                assert row.param in (err["param"] or "") or row.param in err["message"], err
+        except AssertionError as exc:
+            failures.append(f"{row.name}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def test_schemathesis_generated_requests_through_serve(app):
+    schemathesis = pytest.importorskip("schemathesis")
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    url, _, _, _ = app
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    seen: dict[int, int] = {}
+
+    for op in operations:
+        has_body = op.method.upper() == "POST"  # the GET routes take no input to get wrong
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
+            examples = 40 if has_body else 3
+
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                started = time.monotonic()
+                resp = case.call(base_url=url, timeout=TIMEOUT_S + 2 * SLACK_S)
+                elapsed = time.monotonic() - started
+                seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+                content_type = resp.headers.get("content-type") or [""]  # schemathesis: a list per header
+                _check_response(resp.status_code, resp.content, content_type[0], elapsed)
+
+            check()
+    assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen  # both valid and invalid bodies were served
+
+
+def test_service_is_healthy_correct_and_idle_after_the_fuzzing(app):
+    url, router, parsed, before = app
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    after = httpx.post(url + "/v1/completions", json=GREEDY, timeout=60)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
+    config = parsed.cluster_config()
+    handle = serve.get_deployment_handle(config.deployment_name, app_name=config.app_name)
+    client = KVRouteClient(handle, config.hash_spec)
+
+    def idle():
+        states = [asyncio.run(client.debug_state(rid, 10.0)) for rid in ray.get(router.replicas.remote())]
+        return len(states) == 2 and all(
+            s["blocks_in_use"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0 for s in states
+        )
+
+    wait_until(idle, 30, "every replica idle with no KV block in use", interval_s=0.5)
