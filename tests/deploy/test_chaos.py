@@ -1,7 +1,9 @@
-"""Chaos through HTTP: ``kvroute serve`` loses a replica process and then the router
-actor's process to SIGKILL while 20 greedy streams run; every stream completes with the
-text of an undisturbed run (the client resumes a cut stream on another replica with
-the tokens it already sent, and routing falls back until the router is back)."""
+"""``kvroute serve`` as the installed script, one start for the module (``served``): it
+runs the cluster and answers; then chaos through HTTP: it loses a replica process and
+then the router actor's process to SIGKILL while 20 greedy streams run; every stream
+completes with the text of an undisturbed run (the client resumes a cut stream on
+another replica with the tokens it already sent, and routing falls back until the
+router is back), and the service recovers; last, Ctrl-C stops it cleanly (exit 0)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tests.conftest import free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli, stop_cli  # noqa: E402
 
 STREAMS = 20
-MAX_TOKENS = 160
+MAX_TOKENS = 96
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "1024", "--max-model-len", "512"]
 
 
@@ -68,53 +70,77 @@ async def _run_all(url: str, during=None) -> list[str]:
         return await asyncio.gather(*tasks)
 
 
-def test_streams_survive_sigkill_of_a_replica_and_of_the_router(tiny_llama_path):
+@pytest.fixture(scope="module")
+def served(tiny_llama_path):
+    """``kvroute serve`` with 2 replicas on a free port: (process, its output lines, url).
+    A test that stops it (the last one) leaves nothing for the teardown to do."""
     port = free_port()
     proc, lines = start_cli(
         ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", *ENGINE_ARGS],
         "kvroute: ready",
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        pids = wait_until(
-            lambda: (p := _pids(url)) and len(p.get("replica", [])) == 2 and p.get("router") and p,
-            60,
-            "both replicas and the router in /metrics",
-            interval_s=0.5,
-        )
-        undisturbed = asyncio.run(_run_all(url))
-        assert all(len(t) > 0 for t in undisturbed)
-        killed: dict[str, float] = {}
-
-        async def chaos(progress, tasks):
-            deadline = time.monotonic() + 120
-            while min(progress) < 5:  # every stream is mid-flight
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), progress
-                await asyncio.sleep(0.02)
-            os.kill(pids["replica"][0], signal.SIGKILL)
-            killed["replica"] = time.monotonic()
-            start = list(progress)
-            while sum(p - s for p, s in zip(progress, start)) < STREAMS * 10:  # the streams went on
-                assert time.monotonic() < deadline, progress
-                await asyncio.sleep(0.02)
-            assert not all(t.done() for t in tasks), "every stream ended before the router was killed"
-            os.kill(pids["router"][0], signal.SIGKILL)
-            killed["router"] = time.monotonic()
-
-        disturbed = asyncio.run(_run_all(url, chaos))
-        assert set(killed) == {"replica", "router"}
-        mismatched = [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]
-        assert not mismatched, f"streams {mismatched} differ from the undisturbed run"
-
-        # Serve replaces the replica and Ray restarts the router: the service recovers.
-        def recovered():
-            p = _pids(url)
-            replicas = p.get("replica", [])
-            return len(replicas) == 2 and pids["replica"][0] not in replicas and p.get("router", [None])[0] != pids["router"][0]
-
-        wait_until(recovered, 120, "a new replica and a restarted router in /metrics", interval_s=1.0)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "after the storm", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        yield proc, lines, f"http://127.0.0.1:{port}"
     finally:
-        output = stop_cli(proc, lines)
+        if proc.poll() is None:
+            stop_cli(proc, lines)
+
+
+def test_serve_command_runs_the_cluster(served):
+    _, _, url = served
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
+    proc, _, url = served
+    assert proc.poll() is None
+    pids = wait_until(
+        lambda: (p := _pids(url)) and len(p.get("replica", [])) == 2 and p.get("router") and p,
+        60,
+        "both replicas and the router in /metrics",
+        interval_s=0.5,
+    )
+    undisturbed = asyncio.run(_run_all(url))
+    assert all(len(t) > 0 for t in undisturbed)
+    killed: dict[str, float] = {}
+
+    async def chaos(progress, tasks):
+        deadline = time.monotonic() + 120
+        while min(progress) < 5:  # every stream is mid-flight
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), progress
+            await asyncio.sleep(0.02)
+        os.kill(pids["replica"][0], signal.SIGKILL)
+        killed["replica"] = time.monotonic()
+        start = list(progress)
+        while sum(p - s for p, s in zip(progress, start)) < STREAMS * 10:  # the streams went on
+            assert time.monotonic() < deadline, progress
+            await asyncio.sleep(0.02)
+        assert not all(t.done() for t in tasks), "every stream ended before the router was killed"
+        os.kill(pids["router"][0], signal.SIGKILL)
+        killed["router"] = time.monotonic()
+
+    disturbed = asyncio.run(_run_all(url, chaos))
+    assert set(killed) == {"replica", "router"}
+    mismatched = [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]
+    assert not mismatched, f"streams {mismatched} differ from the undisturbed run"
+
+    # Serve replaces the replica and Ray restarts the router: the service recovers.
+    def recovered():
+        p = _pids(url)
+        replicas = p.get("replica", [])
+        return len(replicas) == 2 and pids["replica"][0] not in replicas and p.get("router", [None])[0] != pids["router"][0]
+
+    wait_until(recovered, 120, "a new replica and a restarted router in /metrics", interval_s=1.0)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "after the storm", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_serve_command_stops_on_ctrl_c(served):
+    """After all of the above (a replica and the router killed and replaced)."""
+    proc, lines, _ = served
+    output = stop_cli(proc, lines)
     assert proc.returncode == 0, output[-3000:]
+    assert "kvroute: stopping" in output
