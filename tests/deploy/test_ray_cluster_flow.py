@@ -82,13 +82,15 @@ def _alive(pids: set[int]) -> set[int]:
 
 def _stop_cluster(*markers: str) -> None:
     pids = _cluster_processes(markers)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    # 3 s for SIGTERM: some of a `ray start` cluster's processes outlive it (a 15 s wait was
+    # spent in full); SIGKILL then, and nothing may be left.
+    for sig, grace_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 15)):
         for pid in _alive(pids):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + grace_s
         while _alive(pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         pids |= _cluster_processes(markers)  # anything started meanwhile
