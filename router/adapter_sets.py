@@ -10,7 +10,8 @@ more often.
 An adapter's copies share its demand. The fair load of one replica is the total demand
 over the replicas with adapter slots; an adapter whose demand per copy is above it
 *wants* another copy: one replica cannot serve its share without falling behind the
-others (a Zipf-hot adapter alone outruns a replica), so its set grows by demand.
+others (a Zipf-hot adapter alone outruns a replica). With ``by_demand`` its set grows
+by demand; the kvroute policy leaves that off (``adapter_copies``, measured worse).
 
 ``slot_price`` says, for each candidate, what a slot there costs the request's adapter:
 
@@ -86,8 +87,7 @@ def slot_price(
     own = mine / (copies[adapter] + 1)  # per copy, with one more
     counts = {a: demand.count(a) for a in copies}
     total = sum(counts.values()) + 1.0
-    with_slots = sum(1 for m in slots if m)
-    wants = by_demand and copies[adapter] > 0 and mine / copies[adapter] > demand.total() / max(with_slots, 1)
+    wants = by_demand and copies[adapter] > 0 and mine / copies[adapter] > demand.total() / max(sum(map(bool, slots)), 1)
     out: list[float] = []
     for s, m in zip(sets, slots):
         if not m or adapter in s:
