@@ -15,9 +15,9 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import end_serve_app, wait_until  # noqa: E402
 
 MODEL = "tiny-emulated"
 LONG_TOKENS = 6000  # about 10 s of emulated CPU prefill
@@ -39,8 +39,7 @@ def app(ray_cluster, tiny_llama_path):
     router = app_router(name)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
     yield ray_cluster
-    serve.delete(name)
-    kill_router_actors(name)
+    end_serve_app(name)
 
 
 async def _timed(c: httpx.AsyncClient, body: dict) -> tuple[float, httpx.Response]:

@@ -34,10 +34,9 @@ from ray import serve  # noqa: E402
 from kvroute.benchmarks.lora_adapters import save_random_adapter  # noqa: E402
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.replica_deployment import replica_version  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actors  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.model_store import cache_dir  # noqa: E402
-from tests.conftest import free_port, wait_until  # noqa: E402
+from tests.conftest import end_serve_app, free_port, wait_until  # noqa: E402
 from tests.replica.test_model_store import S3Server  # noqa: E402
 
 APP, MODEL, BUCKET = "kvs3lora", "tiny-s3-lora", f"kvroute-loras-{secrets.token_hex(4)}"
@@ -83,8 +82,7 @@ def app(ray_cluster, tiny_llama_path, store):
     url = f"{ray_cluster}/{APP}"
     wait_until(lambda: httpx.get(url + "/health", timeout=30).status_code == 200, 90, "the replica ready")
     yield url, config
-    serve.delete(APP)
-    kill_router_actors(APP)
+    end_serve_app(APP)
 
 
 def _complete(url: str, model: str) -> httpx.Response:

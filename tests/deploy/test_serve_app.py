@@ -28,9 +28,9 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
-from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import end_serve_app, wait_until  # noqa: E402
 from tests.deploy import hostile  # noqa: E402
 
 MODEL = "tiny-served"
@@ -66,8 +66,7 @@ def app(ray_cluster, tiny_llama_path):
     before = httpx.post(ray_cluster + "/v1/completions", json=GREEDY, timeout=60)
     assert before.status_code == 200, before.text
     yield ray_cluster, router, parsed, before.json()["choices"][0]["text"]
-    serve.delete(name)
-    kill_router_actors(name)
+    end_serve_app(name)
 
 
 def _states(router, cluster_config) -> dict[str, dict]:
@@ -246,8 +245,7 @@ def test_overload_is_429_with_retry_after_and_api_key_applies(ray_cluster, tiny_
         after = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers, timeout=60)
         assert after.status_code == 200
     finally:
-        serve.delete(name)
-        kill_router_actors(name)
+        end_serve_app(name)
 
 
 def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path):
@@ -266,8 +264,7 @@ def test_rays_prefix_cache_affinity_router_swaps_in(ray_cluster, tiny_llama_path
         assert all(o.usage.completion_tokens == 3 for o in outs)
         assert len({o.choices[0].text for o in outs}) == 1
     finally:
-        serve.delete(name)
-        kill_router_actors(name)
+        end_serve_app(name)
 
 
 def _texts_by_index(resp_json) -> list[str]:

@@ -22,11 +22,11 @@ from ray import serve  # noqa: E402
 from kvroute.benchmarks.lora_adapters import save_random_adapter  # noqa: E402
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.replica_deployment import replica_version  # noqa: E402
-from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import restart_actor, wait_until  # noqa: E402
+from tests.conftest import end_serve_app, restart_actor, wait_until  # noqa: E402
 
 APP, MODEL = "kvlora", "tiny-lora"
 ENGINE = dict(block_size=8, num_kv_blocks=128, max_model_len=256, dtype="float32", hash_seed=7)
@@ -70,8 +70,7 @@ def _deploy(model_path, adapters, replicas: int):
 def app(ray_cluster, tiny_llama_path, adapters):
     config, router = _deploy(tiny_llama_path, adapters, 2)
     yield ray_cluster, config, router
-    serve.delete(APP)
-    kill_router_actors(APP)
+    end_serve_app(APP)
 
 
 @pytest.fixture(scope="module")

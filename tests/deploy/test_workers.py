@@ -17,10 +17,10 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import app_router, kill_router_actor, kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from kvroute.cluster.worker_load import parse_load  # noqa: E402
-from tests.conftest import free_port, wait_until  # noqa: E402
+from tests.conftest import end_serve_app, free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli  # noqa: E402
 
 MODEL = "tiny-workers"
@@ -48,11 +48,16 @@ def _healthy(url: str) -> bool:
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _wait_stopped(proc)
+
+
+def _wait_stopped(proc: subprocess.Popen) -> None:
+    """Wait up to 30 s for a worker sent Ctrl-C, then kill it."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,11 @@ def fleet(ray_cluster, tiny_llama_path):
             procs.update(zip(ports, ex.map(lambda p: _start_worker(tiny_llama_path, p), ports)))
         yield from _app(ray_cluster, ports, procs, tiny_llama_path)
     finally:
+        for proc in procs.values():  # Ctrl-C every worker first: they stop side by side
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
         for proc in procs.values():
-            _stop(proc)
+            _wait_stopped(proc)
 
 
 def _app(ray_cluster: str, ports: list[int], procs: dict, tiny_llama_path):
@@ -83,8 +91,7 @@ def _app(ray_cluster: str, ports: list[int], procs: dict, tiny_llama_path):
         wait_until(lambda: all(len(ray.get(r.replicas.remote())) == 2 for r in routers), 60, "both workers registered")
         yield {"url": ray_cluster, "ports": ports, "procs": procs, "routers": routers, "model_path": tiny_llama_path}
     finally:
-        serve.delete(APP)
-        kill_router_actors(APP)
+        end_serve_app(APP)
 
 
 def _client(url: str) -> "openai.OpenAI":
