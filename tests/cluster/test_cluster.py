@@ -49,7 +49,7 @@ def app(ray_cluster, tiny_llama_path):
     router = ray.get_actor(config.router_actor_name, namespace=ROUTER_NAMESPACE)
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 30, "both replicas registered")
     yield config, router
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # no wait for the replicas' graceful shutdown (see end_serve_app)
     kill_router_actor(config.router_actor_name)
 
 
@@ -275,7 +275,7 @@ def test_overload_is_a_prompt_error_and_the_rest_complete(ray_cluster, tiny_llam
     try:
         results = asyncio.run(go())
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
         kill_router_actor(config.router_actor_name)
     ok = [r for r in results if r[0] == "ok"]
     rejected = [r for r in results if r[0] == "overloaded"]
@@ -339,7 +339,7 @@ def test_two_active_routers_share_one_view_and_a_dead_one_fails_over(ray_cluster
         out = asyncio.run(client.complete(PREFIX + [2], GREEDY))
         assert out[-1].num_cached_tokens == len(PREFIX)  # the surviving router routes by prefix
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
         kill_router_actors(name)
 
 
@@ -397,5 +397,5 @@ def test_an_injected_engine_factory_builds_the_replicas_engine(ray_cluster, tiny
         assert state["num_kv_blocks"] == 48 and state["blocks_in_use"] == 0
         assert state["cached_block_hashes"] and state["registrations"] >= 1
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
         kill_router_actor(config.router_actor_name)
