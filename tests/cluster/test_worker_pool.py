@@ -49,7 +49,7 @@ class _Worker(BaseHTTPRequestHandler):
 def http_workers():
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Worker) for _ in range(3)]
     for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
+        threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # shutdown() waits a poll
     yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
     for s in servers:
         s.shutdown()

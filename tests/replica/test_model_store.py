@@ -55,7 +55,8 @@ class S3Server:
 
         self._server = make_server("127.0.0.1", port, counting, threaded=True, request_handler=MotoRequestHandler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # polled every 50 ms (not 0.5 s): stop() waits for the loop to notice
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
     def env(self) -> dict[str, str]:
