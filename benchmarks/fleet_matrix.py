@@ -165,10 +165,12 @@ def kv_blocks_of(name: str, workload: wl.Workload, replicas: int, profile_blocks
 
 def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, rates: Sequence[float],
             routers: Sequence[str], seed: int, joining: int = 0, failing: int = 0,
-            host_kv_blocks: int = 0) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:  # fmt: skip
+            host_kv_blocks: int = 0, policy_kwargs: dict[str, Any] | None = None,
+            ) -> tuple[float, dict[tuple[str, float], dict[str, Any]]]:  # fmt: skip
     """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
     at half the arrival span ``joining`` replicas join and ``failing`` die and come back
-    empty; each replica has a host KV tier of ``host_kv_blocks``."""
+    empty; each replica has a host KV tier of ``host_kv_blocks``; the kvroute policy
+    takes ``policy_kwargs``."""
     from kvroute.benchmarks.sim.capacity import estimate_capacity
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
 
@@ -182,7 +184,8 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
         at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=mid, failing_replicas=failing, fail_at_s=mid,
                                  host_kv_blocks=host_kv_blocks)  # fmt: skip
         for policy in sorted({SIM_POLICY[r] for r in routers}):
-            out[(policy, rate)] = Simulation(at_rate, policy, profile, at).run()
+            kwargs = (policy_kwargs or {}) if policy == "kvroute" else {}
+            out[(policy, rate)] = Simulation(at_rate, policy, profile, at, **kwargs).run()
     return capacity, out
 
 
@@ -205,7 +208,7 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: P
     host_blocks = round(args.host_kv_factor * kv_blocks)
     _, sim = predict(workload, profile, args.replicas, kv_blocks, rates, routers, args.seed,
                      joining=_share(s.add_fraction, args.replicas), failing=_share(s.kill_fraction, args.replicas),
-                     host_kv_blocks=host_blocks)  # fmt: skip
+                     host_kv_blocks=host_blocks, policy_kwargs=args.policy_kwargs)  # fmt: skip
     head = {"scenario": name, "capacity_rps": capacity, "kv_blocks_per_replica": kv_blocks,
             "host_kv_blocks_per_replica": host_blocks, "arrival": arrival_of(workload),
             "ideal_hit_rate": workload.params.get("ideal_hit_rate")}  # fmt: skip

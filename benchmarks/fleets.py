@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from kvroute.cluster.config import ROUTER_CHOICES
@@ -60,12 +60,14 @@ class FleetConfig:
     deployment_name: str = "EngineReplica"
     http_port: int = 8000
     address: Optional[str] = None
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)  # the kvroute policy's options
 
 
 
 def fleet_from_args(args: Any, **fields: Any) -> FleetConfig:
     """A ``FleetConfig`` from the ``options.add_fleet`` group's values in ``args``, and ``fields``."""
-    shared = {k: getattr(args, k) for k in ("replicas", "num_cpus_per_replica", "app_name", "http_port", "address")}
+    names = ("replicas", "num_cpus_per_replica", "app_name", "http_port", "address", "policy_kwargs")
+    shared = {k: getattr(args, k) for k in names}
     return FleetConfig(**{**shared, **fields})
 
 
@@ -156,6 +158,7 @@ class ServeFleet:
                     "max_ongoing_requests": self.fleet.max_ongoing_requests,
                 },
                 "router_policy": route["router_policy"],
+                "router_policy_kwargs": self.fleet.policy_kwargs if route["router_policy"] == "kvroute" else {},
                 "num_routers": num_routers,
                 "torch_threads": self.fleet.torch_threads,
             }],

@@ -10,9 +10,10 @@ No torch here: the simulated benchmarks import this without it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 
 def results_dir(name: Optional[str] = None) -> Path:
@@ -71,9 +72,23 @@ def add_fleet(p: argparse.ArgumentParser, *, replicas: int, cpus_per_replica: fl
     g.add_argument("--app-name", default=app_name)
     g.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port")
     g.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, as in a Ray job, else start one)")
+    g.add_argument("--policy-kwargs", type=json_object, default={}, metavar="JSON",
+                   help="options of the kvroute policy (router/policies/kvroute.py), e.g. '{\"balance_prefixes\": false}'; "
+                        "its simulated prediction gets them too")
     if time_scale is not None:
         g.add_argument("--time-scale", type=float, default=time_scale, help="the emulated steps take K times the profile's time")
     return g
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (argparse type): anything else is a clear error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def csv(text: Optional[str]) -> list[str]:

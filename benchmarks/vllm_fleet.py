@@ -94,6 +94,11 @@ def run_one(name: str, trace: str, workers: list[tuple[str, str]], model: Path, 
     if "cached_tokens_abs_error" in after:
         err = after["cached_tokens_abs_error"] - before.get("cached_tokens_abs_error", 0.0)
         row["pred_cached_err"] = err / max(result["total_input_tokens"], 1)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(("decisions:", "reuse:"))}
+    if delta:  # kvroute's decisions by reason and its offered / available / captured / delivered tokens
+        row["decisions"] = {k.split(":", 1)[1]: int(v) for k, v in delta.items() if k.startswith("decisions:") and v}
+        row["reuse"] = {k.split(":", 1)[1]: round(v / max(result["total_input_tokens"], 1), 4)
+                        for k, v in delta.items() if k.startswith("reuse:")}  # fmt: skip
     return row
 
 

@@ -351,9 +351,9 @@ class KVRoutePolicy(Policy):
     ) -> int:
         """No owner eligible: a new prefix goes to the roomiest cache among the
         admissible near-best (those with the request's adapter resident first, if any),
-        then the one serving the fewest live prefixes (``live_prefixes.py``), then the
-        fastest; anything else to the fastest admissible replica (then the
-        shorter queue, the first)."""
+        then, where even that cache must evict to hold it, the one serving the fewest
+        live prefixes (``live_prefixes.py``), then the fastest; anything else to the
+        fastest admissible replica (then the shorter queue, the first)."""
         qlen = table.queue_len
         if not est.longest and table.room is not None:
             near = map(le, ts, repeat(best + self._slack(best)))
@@ -364,11 +364,13 @@ class KVRoutePolicy(Policy):
                 if slots is not None and cold[eligible[0]]:  # no copy near-best: the least live demand resident
                     low = min(slots[i] for i in eligible)
                     eligible = [i for i in eligible if slots[i] == low]
+            evicts = True
             if len(eligible) > 1:
                 rooms = table.room(eligible)
+                evicts = max(rooms) < num_blocks  # even the roomiest cache evicts something to hold the request
                 high = max(rooms) - self.fill_slack * num_blocks
                 eligible = list(compress(eligible, map(ge, rooms, repeat(high))))
-            if self.live is not None and len(eligible) > 1:  # then the fewest prefixes in use
+            if self.live is not None and evicts and len(eligible) > 1:  # then the fewest prefixes in use
                 live = [self.live.count(table.candidates[i]) for i in eligible]
                 eligible = list(compress(eligible, map(eq, live, repeat(min(live)))))
             return self._fastest(eligible, ts, qlen, key)

@@ -1,6 +1,7 @@
 """Live prefixes per replica (router/live_prefixes.py) and the kvroute rule built on
 them: where every cache is equally full and equally fast, a new prefix goes to the
-replica serving the fewest prefixes lately, not to whichever the tie-break names."""
+replica serving the fewest prefixes lately, not to whichever the tie-break names; where
+the caches have room, the count changes nothing."""
 
 import pytest
 
@@ -35,14 +36,16 @@ def _prompt(group: int, n: int = 4) -> list[int]:
     return [group * 1000 + j for j in range(16 * n)]
 
 
-@pytest.mark.parametrize("balance", [True, False])
-def test_a_new_prefix_goes_where_the_fewest_prefixes_are_served(balance):
+@pytest.mark.parametrize("balance, capacity, expect", [(True, 8, "r1"), (False, 8, "r0"), (True, 64, "r0")])
+def test_a_new_prefix_goes_where_the_fewest_prefixes_are_served(balance, capacity, expect):
     """r0 serves three 4-block prefixes, r1 one of 12 blocks; both caches are equally
     full and both idle. A new prefix goes to r1 with the count; without it, the
-    tie-break by its first block decides (r0 for the prompt picked)."""
+    tie-break by its first block decides (r0 for the prompt picked). Where both caches
+    have room for it (64 blocks), nothing is evicted wherever it goes, and the count
+    does not move it from the tie-break's choice."""
     r = Router(KVRoutePolicy(balance_prefixes=balance), 16)
     for rid in ("r0", "r1"):
-        r.add_replica(rid, 8)  # 8 blocks: two 4-block prefixes fill a cache
+        r.add_replica(rid, capacity)  # 8 blocks: two 4-block prefixes fill a cache
     for g, rid, n in [(1, "r0", 4), (2, "r0", 4), (3, "r0", 4), (4, "r1", 12)]:
         tokens = _prompt(g, n)
         r.route(hash_blocks(SPEC, tokens), len(tokens), [rid])
@@ -52,4 +55,4 @@ def test_a_new_prefix_goes_where_the_fewest_prefixes_are_served(balance):
     tokens = next(t for t in map(_prompt, range(9, 99)) if hash_blocks(SPEC, t)[0] % 2 == 0)  # the tie-break: r0
     hashes = hash_blocks(SPEC, tokens)
     d = r.route(hashes, len(tokens))
-    assert d.reason == "cold" and d.replica_id == ("r1" if balance else "r0")
+    assert d.reason == "cold" and d.replica_id == expect
