@@ -29,8 +29,8 @@ blocks, less the queued prefills', for what the request needs there), ``best`` i
 smallest TTFT. An owner whose TTFT is within ``best`` plus its share
 ``cached_r / n`` of the slack is eligible (plus ``cached_r / fleet_rate`` while every
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
-a new prefix goes to the roomiest cache among the near-best, then the one serving the
-fewest live prefixes, anything else to ``best``.
+a new prefix goes to the roomiest cache among the near-best, then (where that one must
+evict) the one serving the fewest live prefixes, anything else to ``best``.
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
 another holds), ``load`` (a shorter one). Why each rule: ``router/POLICIES.md``.
 """
