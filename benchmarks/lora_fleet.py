@@ -97,6 +97,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--http-port", type=int, default=8000)
     e.add_argument("--timeout-s", type=float, default=1800.0)
     e.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start one)")
+    options.add_policy_kwargs(e)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,12 +72,17 @@ def add_fleet(p: argparse.ArgumentParser, *, replicas: int, cpus_per_replica: fl
     g.add_argument("--app-name", default=app_name)
     g.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port")
     g.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, as in a Ray job, else start one)")
-    g.add_argument("--policy-kwargs", type=json_object, default={}, metavar="JSON",
-                   help="options of the kvroute policy (router/policies/kvroute.py), e.g. '{\"balance_prefixes\": false}'; "
-                        "its simulated prediction gets them too")
+    add_policy_kwargs(g)
     if time_scale is not None:
         g.add_argument("--time-scale", type=float, default=time_scale, help="the emulated steps take K times the profile's time")
     return g
+
+
+def add_policy_kwargs(g: argparse._ActionsContainer) -> None:
+    """``--policy-kwargs``: the kvroute policy's options for the fleet's router actors."""
+    g.add_argument("--policy-kwargs", type=json_object, default={}, metavar="JSON",
+                   help="options of the kvroute policy (router/policies/kvroute.py), e.g. '{\"balance_prefixes\": false}'; "
+                        "fleet_matrix's simulated prediction gets them too")
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -55,3 +55,12 @@ def test_the_simulated_prediction_runs_the_policy_with_them(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc != 0 and "need slack_rel >= 1" in captured.out + captured.err
     assert not (out / "matrix.json").exists()
+
+
+def test_the_emulated_lora_benchmark_takes_them_too():
+    from kvroute.benchmarks import lora_fleet
+
+    p = argparse.ArgumentParser()
+    lora_fleet.add_args(p)
+    args = p.parse_args(["--emulate", "gpu_h100_llama3_8b", "--policy-kwargs", '{"adapter_copies": true}'])
+    assert fleet_from_args(args, model=args.model).policy_kwargs == {"adapter_copies": True}
