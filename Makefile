@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 serve: $(STAMP)
 	$(BIN)/kvroute serve $(SERVE_ARGS)

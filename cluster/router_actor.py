@@ -69,7 +69,7 @@ class RouterService:
         self._last_rank = float("-inf")
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0,
                          "pushes": 0}  # fmt: skip
-        self._metrics: dict[str, dict[str, Any]] = {}  # replica id -> its latest metrics report
+        self._metrics: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, its latest report)
         self._ingresses: dict[str, tuple[float, dict[str, Any]]] = {}  # ingress id -> (when, its latest report)
         self._share = share
         self._share_lock = threading.Lock()
@@ -297,7 +297,7 @@ class RouterService:
         """Keep a registered replica's latest metrics report (``AsyncEngine.metrics_report``)."""
         if replica_id not in self.router.directory:
             return False
-        self._metrics[replica_id] = report
+        self._metrics[replica_id] = (time.monotonic(), report)
         return True
 
     def report_ingress(self, ingress_id: str, report: dict[str, Any]) -> None:
@@ -307,15 +307,18 @@ class RouterService:
         self._ingresses[ingress_id] = (self.last_call, report)
 
     def metrics(self) -> dict[str, Any]:
-        """Every registered replica's latest metrics report, every live ingress's
-        counters and the router's stats: what an HTTP ingress renders at ``/metrics``.
-        An ingress silent for ``replica_timeout_s`` is dropped (its counts with it)."""
+        """Every registered replica's latest metrics report (with its age here,
+        ``age_s``: an ingress that asks several routers keeps the freshest), every live
+        ingress's counters and the router's stats: what an HTTP ingress renders at
+        ``/metrics``. An ingress silent for ``replica_timeout_s`` is dropped (its counts
+        with it)."""
         self._expire_silent()
         now = time.monotonic()
         for iid, (when, _) in list(self._ingresses.items()):
             if now - when > self.replica_timeout_s:
                 del self._ingresses[iid]
-        return {"replicas": dict(self._metrics), "router": self.stats(),
+        replicas = {rid: {**rep, "age_s": now - when} for rid, (when, rep) in self._metrics.items()}
+        return {"replicas": replicas, "router": self.stats(),
                 "ingresses": {iid: rep for iid, (_, rep) in self._ingresses.items()}}  # fmt: skip
 
 

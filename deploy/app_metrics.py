@@ -49,14 +49,14 @@ class IngressReporter:
 async def router_metrics(router_actors: list[Any], model_name: str, reporter: IngressReporter) -> tuple[bytes, str]:
     """``/metrics`` of the application, whichever ingress renders it: the replicas'
     reports, the routers' stats, and every ingress's counters (this one's current)."""
-    from kvroute.deploy.metrics import CONTENT_TYPE, merge_router_stats, render_app
+    from kvroute.deploy.metrics import CONTENT_TYPE, freshest_reports, merge_router_stats, render_app
 
     answers = await asyncio.gather(*(asyncio.wait_for(a.metrics.remote(), 5.0) for a in router_actors),
                                    return_exceptions=True)  # fmt: skip
     snapshots = [a for a in answers if isinstance(a, dict)]
     for exc in (a for a in answers if not isinstance(a, dict)):  # a router restarting
         log.warning("a router actor did not answer for /metrics: %r", exc)
-    replicas = snapshots[0]["replicas"] if snapshots else {}
+    replicas = freshest_reports([s["replicas"] for s in snapshots])
     router = merge_router_stats([s["router"] for s in snapshots]) if snapshots else None
     ingresses = {iid: rep for s in snapshots for iid, rep in s["ingresses"].items()}
     ingresses[reporter.ingress_id] = reporter.report()

@@ -111,6 +111,20 @@ def render_app(model_name: str, replicas: dict[str, dict[str, Any]], router: Opt
                   *(sum(r[k] for r in reports) for k in ("fallbacks", "failovers", "spills")), ingresses=ingresses)
 
 
+def freshest_reports(views: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Several routers' views of the replicas' metrics reports as one: each replica's
+    freshest report (least ``age_s``). Every replica reports to every router, but a
+    router that registered it late, or a report that reached one router and not yet
+    another, leaves the views apart for a round; taking any one router's would show a
+    replica's count from seconds ago or miss the replica."""
+    merged: dict[str, dict[str, Any]] = {}
+    for view in views:
+        for rid, rep in view.items():
+            if rid not in merged or rep.get("age_s", 0.0) < merged[rid].get("age_s", 0.0):
+                merged[rid] = rep
+    return merged
+
+
 def merge_router_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Several router actors' ``stats()`` as one: decisions (each router counts its own)
     summed, and each router's peer staleness kept under ``peer_staleness_ms_by_router``;

@@ -1,7 +1,7 @@
 """An application's detached actors across redeploys (ARCHITECTURE.md §5.1): named by
 generation, a changed policy adopted in place, an unused generation ending itself,
 every generation ended by ``kill_router_actors``; and the ingress counters every
-router keeps for ``/metrics``."""
+router keeps for ``/metrics``, with the replicas' freshest reports."""
 
 from __future__ import annotations
 
@@ -64,6 +64,30 @@ def test_ingress_reports_are_kept_until_the_ingress_goes_silent():
 def _config(model, app: str, **overrides) -> ClusterConfig:
     return ClusterConfig(engine=tiny_engine(model, hash_seed=5), app_name=app, heartbeat_s=0.2, replica_timeout_s=1.0,
                          idle_exit_s=2.0, router_num_cpus=0.1, **overrides)  # fmt: skip
+
+
+def test_an_ingress_renders_each_replicas_freshest_report_over_every_router():
+    """Each router keeps every registered replica's latest metrics report with its age;
+    an ingress that asks several routers shows, per replica, the freshest one (not the
+    first router's, which may be a round behind or lack the replica)."""
+    import time
+
+    from kvroute.deploy.metrics import freshest_reports
+
+    spec = HashSpec(8, 11, "m")
+    first, second = RouterService(spec), RouterService(spec)
+    for svc in (first, second):
+        svc.register("r1", spec, 16, [], 0)
+    first.register("r2", spec, 16, [], 0)
+    assert first.report_metrics("r1", {"running": 1}) and first.report_metrics("r2", {"running": 2})
+    time.sleep(0.01)
+    assert second.report_metrics("r1", {"running": 4})
+    assert second.report_metrics("r9", {"running": 9}) is False  # not registered there: not kept
+    views = [first.metrics()["replicas"], second.metrics()["replicas"]]
+    assert views[0]["r1"]["age_s"] > views[1]["r1"]["age_s"] >= 0
+    merged = freshest_reports(views)
+    assert {rid: rep["running"] for rid, rep in merged.items()} == {"r1": 4, "r2": 2}
+    assert freshest_reports(views[::-1]) == merged
 
 
 def test_generations_are_named_apart_and_an_unused_one_ends_itself(ray_cluster, tiny_llama_path):

@@ -10,19 +10,27 @@ from __future__ import annotations
 import copy
 import time
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.multinode.conftest import APP, MODEL, deploy_and_wait, metric_samples, per_replica  # noqa: E402
+from tests.multinode.conftest import APP, MODEL, deploy_and_wait, per_replica  # noqa: E402
 
 STREAMS = 4
 STREAM_TOKENS = 96
 
 
-def _running_on(cluster, rid_to_node: dict[str, str]) -> dict[str, float]:
-    running = per_replica(metric_samples(cluster.head.url(), "vllm:num_requests_running"))
-    return {rid: running.get(rid, 0.0) for rid in rid_to_node}
+def _streams_on(cluster, rid_to_node: dict[str, str]) -> dict[str, float]:
+    """Requests each replica reports running or waiting, from one scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(cluster.head.url() + "/metrics", timeout=30).text
+    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) if fam.name in wanted for s in fam.samples}  # fmt: skip
+    counts = per_replica(samples)
+    return {rid: counts.get(rid, 0.0) for rid in rid_to_node}
 
 
 async def _streams(url: str, progress: list[int], during=None, key: str = "unused") -> list:
@@ -100,10 +108,22 @@ def test_streams_survive_sigkill_of_a_whole_worker_node(netns_cluster, kvroute_a
         while min(progress) < 3:  # every stream is under way
             assert time.monotonic() < deadline and not any(t.done() for t in tasks), progress
             await asyncio.sleep(0.05)
-        # where the streams run, from the replicas' own reports (about once a second)
-        running = await asyncio.to_thread(
-            cluster.wait_for, lambda: (r := _running_on(cluster, placement)) and sum(r.values()) >= STREAMS and r,
-            30, "every stream in the replicas' running counts", 0.2)
+        # where the streams run, from the replicas' own reports (about once a second);
+        # the head's proxy sends each scrape to either ingress, so the largest count per
+        # replica over the scrapes so far is kept
+        seen: dict[str, float] = {}
+        history: list = []
+
+        def placed():
+            counts = _streams_on(cluster, placement)
+            history.append((round(time.monotonic() - started, 1), list(progress), counts))
+            assert not any(t.done() for t in tasks), f"a stream ended before the replicas reported it: {history[-8:]}"
+            for rid, n in counts.items():
+                seen[rid] = max(seen.get(rid, 0.0), n)
+            return sum(seen.values()) >= STREAMS and dict(seen)
+
+        started = time.monotonic()
+        running = await asyncio.to_thread(cluster.wait_for, placed, 30, "every stream in the replicas' counts", 0.2)
         report["running"] = {placement[rid]: n for rid, n in running.items()}
         report["progress_at_kill"] = list(progress)
         assert not any(t.done() for t in tasks), "a stream ended before the kill"
