@@ -255,14 +255,16 @@ class EngineReplica:
             except Exception as exc:
                 log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
                 continue
-            for link in self.links:
-                try:
-                    await asyncio.wait_for(link.actor.report_metrics.remote(self.replica_id, report),
-                                           self.config.call_timeout_s)  # fmt: skip
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # router restarting: the next round retries
-                    log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
+            # to every router at once: one that is slow or restarting must not hold back the others' view
+            await asyncio.gather(*(self._send_metrics(link, report) for link in self.links))
+
+    async def _send_metrics(self, link: _RouterLink, report: dict) -> None:
+        try:
+            await asyncio.wait_for(link.actor.report_metrics.remote(self.replica_id, report), self.config.call_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # router restarting: the next round retries
+            log.debug("replica %s: metrics report failed (%r)", self.replica_id, exc)
 
 
 def request_router_config(config: ClusterConfig) -> RequestRouterConfig:

@@ -134,6 +134,12 @@ def metric_samples(url: str, family: str, timeout: float = 30) -> dict[tuple, fl
     return out
 
 
+def health(url: str) -> dict[str, Any]:
+    """The application's ``/health`` JSON, with its HTTP status under ``status_code``."""
+    resp = httpx.get(url + "/health", timeout=10)
+    return {"status_code": resp.status_code, **resp.json()}
+
+
 def per_replica(samples: dict[tuple, float], suffix: str = "") -> dict[str, float]:
     """Sum of samples per ``replica`` label (only sample names ending in ``suffix``)."""
     out: dict[str, float] = {}
@@ -145,13 +151,19 @@ def per_replica(samples: dict[tuple, float], suffix: str = "") -> dict[str, floa
 
 
 def wait_fleet(cluster: NetnsCluster, app_name: str = APP, num_replicas: int = 2,
-               timeout_s: float = 240.0) -> dict[str, str]:  # fmt: skip
-    """Wait until ``num_replicas`` engine replicas run, the router knows exactly them
-    (each in ``/metrics``, no other) and ``/health`` answers 200 on the head's proxy;
-    returns {replica id: node name}."""
+               timeout_s: float = 240.0, deployed_after: float = 0.0) -> dict[str, str]:  # fmt: skip
+    """Wait until Serve has applied the application's config deployed at or after
+    ``deployed_after`` (wall clock) and reports it RUNNING (every deployment at its
+    target: a changed ``args`` rebuilds every deployment, and until the rollout starts
+    the old replicas still look ready), ``num_replicas`` engine replicas run, the router
+    knows exactly them (each in ``/metrics``, no other) and ``/health`` answers 200 on
+    the head's proxy; returns {replica id: node name}."""
     head = cluster.head.url()
 
     def ready() -> Optional[dict[str, str]]:
+        app = cluster.serve_details().get("applications", {}).get(app_name, {})
+        if app.get("status") != "RUNNING" or app.get("last_deployed_time_s", 0.0) < deployed_after:
+            return None
         replicas = cluster.replicas(app_name, "EngineReplica")
         if len(replicas) != num_replicas:
             return None
@@ -166,9 +178,10 @@ def wait_fleet(cluster: NetnsCluster, app_name: str = APP, num_replicas: int = 2
 
 def deploy_and_wait(cluster: NetnsCluster, config: dict[str, Any], num_replicas: int = 2,
                     timeout_s: float = 240.0) -> dict[str, str]:  # fmt: skip
-    """``serve deploy`` ``config``, then ``wait_fleet``."""
+    """``serve deploy`` ``config``, then ``wait_fleet`` for that deploy."""
+    started = time.time() - 1.0  # Serve stamps the deploy with its own clock (this machine's), rounded
     cluster.serve_deploy(config)
-    return wait_fleet(cluster, config["applications"][0]["name"], num_replicas, timeout_s)
+    return wait_fleet(cluster, config["applications"][0]["name"], num_replicas, timeout_s, deployed_after=started)
 
 
 @pytest.fixture(scope="package")

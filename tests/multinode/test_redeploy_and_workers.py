@@ -16,7 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.multinode.conftest import APP, MODEL, serve_config, wait_fleet  # noqa: E402
+from tests.multinode.conftest import APP, MODEL, health, serve_config, wait_fleet  # noqa: E402
 
 KEY = "multinode-secret-key"
 WORKERS_APP = "kvworkers"
@@ -25,11 +25,6 @@ PROMPT = "A long shared prefix for the cache: " + " ".join(f"item{i} is stored i
 
 def _client(url: str, key: str = "unused") -> "openai.OpenAI":
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def _health(url: str) -> dict:
-    resp = httpx.get(url + "/health", timeout=10)
-    return {"status_code": resp.status_code, **resp.json()}
 
 
 def _workers_app(worker_ip: str) -> dict:
@@ -99,7 +94,7 @@ def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fl
     cache-aware; a second deploy of the same config keeps every replica."""
     cluster = netns_cluster
     head = cluster.head.url()
-    before = _health(head)
+    before = health(head)
     assert before["status_code"] == 200 and before["routers"] == "1/1"
     new = serve_config(engine_kwargs={"max_num_seqs": 6}, ingress={"require_api_key": True})
     app = new["applications"][0]
@@ -123,18 +118,20 @@ def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fl
         await asyncio.to_thread(cluster.serve_deploy, new)
         return await asyncio.gather(*tasks, return_exceptions=True)
 
-    started = time.monotonic()
+    started, deployed_after = time.monotonic(), time.time() - 1.0
     results = asyncio.run(streams())
     assert results == [48] * 4, results
-    placement = wait_fleet(cluster, APP, 2, timeout_s=300)
+    placement = wait_fleet(cluster, APP, 2, timeout_s=300, deployed_after=deployed_after)
+    fleet_s = time.monotonic() - started
     # the new generation's second router may wait for the CPU the old router frees when it
     # ends itself (idle_exit_s after the old replicas and ingress are gone)
-    after = cluster.wait_for(lambda: (h := _health(head))["routers"] == "2/2" and h, 90, "both new routers answering")
+    after = cluster.wait_for(lambda: (h := health(head))["routers"] == "2/2" and h, 150, "both new routers answering")
     assert after["generation"] != before["generation"], after
     routers = sorted(a["name"] for a in cluster.actors() if (a.get("name") or "").startswith(f"kvroute-router:{APP}@")
                      and after["generation"][:10] in a["name"])  # fmt: skip
     assert len(routers) == 2, routers
-    print(f"redeploy under load: streams {results}, new fleet {placement} {time.monotonic() - started:.1f} s later")
+    print(f"redeploy under load: streams {results}, new fleet {placement} {fleet_s:.1f} s later, both new routers "
+          f"answering {time.monotonic() - started:.1f} s later")
     with pytest.raises(openai.AuthenticationError):
         _client(head).completions.create(model=MODEL, prompt="hi", max_tokens=2)
     client = _client(head, KEY)
@@ -147,5 +144,5 @@ def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fl
     cluster.serve_deploy(copy.deepcopy(new))  # the same config again: nothing replaced
     time.sleep(3)
     assert {r["replica_id"] for r in cluster.replicas(APP, "EngineReplica")} == replicas
-    assert _health(head)["generation"] == after["generation"]
+    assert health(head)["generation"] == after["generation"]
     kvroute_app.update(placement=placement, config=copy.deepcopy(new))
