@@ -121,14 +121,16 @@ def serve_config(
     return config
 
 
-def metric_samples(url: str, family: str, timeout: float = 30) -> dict[tuple, float]:
-    """``family``'s samples from a ``/metrics`` page, keyed by (sample name, sorted labels)."""
+def metric_samples(url: str, family: str | tuple[str, ...], timeout: float = 30) -> dict[tuple, float]:
+    """The samples of ``family`` (or of several families) from one scrape of a
+    ``/metrics`` page, keyed by (sample name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    families = (family,) if isinstance(family, str) else family
     text = httpx.get(url + "/metrics", timeout=timeout).text
     out: dict[tuple, float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.name == family:
+        if fam.name in families:
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out

@@ -10,12 +10,11 @@ from __future__ import annotations
 import copy
 import time
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.multinode.conftest import APP, MODEL, deploy_and_wait, health, per_replica  # noqa: E402
+from tests.multinode.conftest import APP, MODEL, deploy_and_wait, health, metric_samples, per_replica  # noqa: E402
 
 STREAMS = 4
 STREAM_TOKENS = 96
@@ -23,13 +22,8 @@ STREAM_TOKENS = 96
 
 def _streams_on(cluster, rid_to_node: dict[str, str]) -> dict[str, float]:
     """Requests each replica reports running or waiting, from one scrape."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(cluster.head.url() + "/metrics", timeout=30).text
-    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(text) if fam.name in wanted for s in fam.samples}  # fmt: skip
-    counts = per_replica(samples)
+    families = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    counts = per_replica(metric_samples(cluster.head.url(), families))
     return {rid: counts.get(rid, 0.0) for rid in rid_to_node}
 
 
