@@ -169,7 +169,7 @@ def wait_fleet(cluster: NetnsCluster, app_name: str = APP, num_replicas: int = 2
         replicas = cluster.replicas(app_name, "EngineReplica")
         if len(replicas) != num_replicas:
             return None
-        if httpx.get(head + "/health", timeout=10).status_code != 200:
+        if health(head)["status_code"] != 200:
             return None
         reported = set(per_replica(metric_samples(head, "vllm:num_requests_running")))
         placed = {r["replica_id"]: cluster.node_of_ip(r["node_ip"]) for r in replicas}
