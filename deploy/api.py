@@ -26,6 +26,8 @@ from kvroute.deploy.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from kvroute.deploy.request_fields import field_of
+from kvroute.deploy.response_store import MemoryResponseStore, ResponseStore
+from kvroute.deploy.responses_api import add_responses_routes
 from kvroute.deploy.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -37,12 +39,15 @@ def build_api(
     serving: OpenAIServing,
     metrics: MetricsProvider,
     extra_routes: Optional[Callable[[FastAPI], None]] = None,
+    response_store: Optional[ResponseStore] = None,
 ) -> FastAPI:
     """The ASGI app. ``metrics()`` returns (body, content type) for ``GET /metrics``;
-    ``extra_routes(app)`` adds host-specific routes."""
+    ``extra_routes(app)`` adds host-specific routes; ``response_store`` keeps what
+    ``/v1/responses`` stores (None: a bounded store in this process)."""
     app = FastAPI(title="kvroute", version="0.1.0", docs_url=None, redoc_url=None)
     _error_handlers(app)
     _openai_routes(app, serving)
+    add_responses_routes(app, serving, response_store or MemoryResponseStore(), _respond)
 
     @app.get("/health")
     async def health() -> Response:

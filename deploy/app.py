@@ -26,6 +26,7 @@ from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.lora import FleetAdapters, WorkerAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError
 from kvroute.cluster.replica_deployment import build_engine_deployment
+from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_create_response_store
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.cluster.worker_pool import get_or_create_worker_pool
 from kvroute.cluster.worker_probe import check_specs, cluster_nodes
@@ -141,6 +142,8 @@ class OpenAIIngress:
         self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, self.parts.backend, limits, aliases,
                                      self.parts.adapters, parsed.ingress.tool_config())  # fmt: skip
         self.reporter = IngressReporter(self.router_actors, self.accuracy, self.parts.routing_stats)
+        # /v1/responses' stored responses: one store per application, so any ingress continues any response
+        self.response_store = RemoteResponseStore(get_or_create_response_store(config.app_name))
 
     async def check_health(self) -> None:
         """Serve's periodic health check; in front of workers it tells the pool an
@@ -149,7 +152,7 @@ class OpenAIIngress:
             self.parts.keepalive()
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_api(self.serving, self._metrics, self.parts.routes)
+        return build_api(self.serving, self._metrics, self.parts.routes, self.response_store)
 
     async def _metrics(self) -> tuple[bytes, str]:
         body, content_type = await router_metrics(self.router_actors, self.serving.model_name, self.reporter)
