@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.config import EngineConfig
@@ -128,6 +128,7 @@ class Engine:
         """The model runner (weights on the device) and the sampler; returns the KV
         cache's size in blocks."""
         from kvroute.replica.cuda_graphs import default_graph_sizes
+        from kvroute.replica.kv_sizing import KVSizer
         from kvroute.replica.model_runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
         from kvroute.replica.sampler import Sampler
 
@@ -135,13 +136,13 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         bs = config.block_size
         block_bytes = kv_bytes_per_block(self.arch, bs, dtype)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.host_kv_blocks = config.host_blocks(block_bytes)
         graph_sizes = () if config.enforce_eager else default_graph_sizes(config.max_num_seqs)
-        self.runner = ModelRunner(self.arch, self.model_path, num_blocks, bs, device, dtype, self.max_model_len, graph_sizes,
+        sizer = KVSizer(config, block_bytes, device)  # (on CUDA, reads the free memory before the weights load)
+        self.runner = ModelRunner(self.arch, self.model_path, sizer, bs, device, dtype, self.max_model_len, graph_sizes,
                                   self.host_kv_blocks, self._lora_slots(config))  # fmt: skip
         self.sampler = Sampler(config.seed)
-        return num_blocks
+        return sizer.size.num_blocks
 
     @property
     def model_id(self) -> str:
@@ -297,19 +298,45 @@ class Engine:
 
                 record_prompt_logprobs(sched.rows, logits[len(sampling_rows) :])
                 logits = logits[: len(sampling_rows)]
-            if sampling_rows:
-                sampled = self.sampler(
-                    logits,
-                    [
-                        SampleRequest(r.request.params, r.request.prompt_token_ids, r.request.output_token_ids, r.request.eos_token_ids)
-                        for r in sampling_rows
-                    ],
-                    None if mask is None else mask.result(),
-                )
-                for row, tok, lp in zip(sampling_rows, sampled.token_ids, sampled.logprobs):
-                    deltas.append(self._append(row.request, tok, lp))
+            for row, result in zip(sampling_rows, self._sample(logits, sampling_rows, mask)):
+                deltas.append(self._deliver(row.request, result))
             self.telemetry.observe_step(sched, time.perf_counter() - t0)
         return StepOutput(deltas, self.telemetry.events(), sched.num_tokens, len(sched.rows))
+
+    def _sample(self, logits: Any, rows: list[Any], mask: Any) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each sampled row's (token, logprob), or the exception that row raises alone.
+
+        A batch whose mask or sampling fails is sampled again row by row, each row with
+        its own mask: one request's fault (a matcher error, parameters the sampler
+        rejects) then ends that request, and a fault that only a batch's mix provokes
+        ends none. The model's forward pass is not retried: its failure is the engine's."""
+        batch = [SampleRequest(r.request.params, r.request.prompt_token_ids, r.request.output_token_ids,
+                               r.request.eos_token_ids) for r in rows]  # fmt: skip
+        try:
+            out = self.sampler(logits, batch, None if mask is None else mask.result())
+            return list(zip(out.token_ids, out.logprobs))
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling each row alone", len(rows))
+        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, (row, one) in enumerate(zip(rows, batch)):
+            try:
+                row_mask = None if self.constraints is None else self.constraints.step_mask([row.request])
+                out = self.sampler(logits[i : i + 1], [one], row_mask)
+                results.append((out.token_ids[0], out.logprobs[0]))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _deliver(self, req: Request, result: tuple[int, TokenLogprob | None] | Exception) -> TokenDelta:
+        """The request's delta for its sampled token; a failure to sample or take it in
+        ends this request alone ("abort", the error as stop_reason), its blocks freed."""
+        if not isinstance(result, Exception):
+            try:
+                return self._append(req, *result)
+            except Exception as exc:
+                result = exc
+        log.error("request %s failed in its step", req.request_id, exc_info=result)
+        return self._refuse(req, f"internal error: {type(result).__name__}: {result}")
 
     def _refuse(self, req: Request, reason: str) -> TokenDelta:
         """End a request whose grammar cannot run (its compile failed or ran past the time

@@ -144,7 +144,10 @@ class StepMask:
         elif device.type == "cpu" and out.is_contiguous():
             import xgrammar as xgr
 
-            xgr.apply_token_bitmask_inplace(out, self.bitmask, indices=self.indices.tolist(), backend="cpu")
+            # xgrammar reads bitmask row ``i`` for logits row ``i``: scatter the compact rows
+            full = torch.full((out.shape[0], self.bitmask.shape[1]), -1, dtype=torch.int32)
+            full[self.indices] = self.bitmask
+            xgr.apply_token_bitmask_inplace(out, full, indices=self.indices.tolist(), backend="cpu")
         else:
             apply_token_bitmask_reference_(out, self.bitmask, self.indices)
         return out
