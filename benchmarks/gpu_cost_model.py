@@ -64,7 +64,7 @@ def bench_cost_model(folder: Path, quick: bool, label: str) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     weight_bytes = weight_bytes_of(runner.model)
     # KV the card would hold with this model: 90% of its memory less the weights and 4 GiB
-    # of activations / graphs (what the engine's kv_cache_memory_gb default leaves).
+    # of activations / graphs (about what the engine's gpu_memory_utilization default leaves).
     kv_tokens = int((0.9 * props.total_memory - weight_bytes - 4 * 2**30) / kv_per_token)
     fit = dict(overhead_s=overhead, decode_s_per_seq=per_seq, attn_s_per_ctx_token=per_ctx, prefill_tokens_per_s=rate,
                kv_blocks_per_replica=kv_tokens // bs)  # fmt: skip

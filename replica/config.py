@@ -20,7 +20,11 @@ def check_adapter_name(name: object) -> str:
 class EngineConfig:
     """Everything that shapes one engine.
 
-    ``num_kv_blocks=None`` sizes the KV cache from ``kv_cache_memory_gb``. ``hash_seed``
+    The KV cache holds ``num_kv_blocks`` blocks, or ``kv_cache_memory_gb`` GiB; with
+    neither (the default) it takes what memory leaves: on CUDA ``gpu_memory_utilization``
+    of the device's memory (as vLLM's ``--gpu-memory-utilization``) less the weights and
+    the activations' peak, on CPU a modest share of the available RAM
+    (``replica/kv_sizing.py`` has the rule). ``hash_seed``
     must be the cluster-wide seed so the router's hashes match the replica's.
     ``dtype='auto'`` is bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX),
     float32 on other CPUs. On CUDA, decode-only steps replay CUDA graphs captured for
@@ -56,7 +60,8 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -86,8 +91,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0 or None, got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
+            raise ValueError("set num_kv_blocks or kv_cache_memory_gb, not both")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.enable_chunked_prefill and self.page_aligned and self.max_num_batched_tokens < self.block_size:

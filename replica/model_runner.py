@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,14 +55,16 @@ class ModelRunner:
     ``lora_slots=(max_loras, max_rank, max_cpu_loras)`` wraps the fused Linears for
     LoRA: ``lora`` is then their ``LayerSlots`` (``replica/lora/``), where the engine
     registers adapters. A step with adapter rows runs eager (the graphs hold the base
-    model only).
+    model only). ``num_blocks``: the KV cache's size, or a function that gives it from
+    this runner once its weights are loaded (``replica/kv_sizing.py``'s ``KVSizer``,
+    which may run ``profile_forward`` first).
     """
 
     def __init__(
         self,
         arch: ModelArch,
         model_path: Path,
-        num_blocks: int,
+        num_blocks: int | Callable[["ModelRunner"], int],
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -90,6 +92,9 @@ class ModelRunner:
         ).to(device)
         self.lora = LayerSlots(model, arch, *lora_slots, dtype, device) if lora_slots is not None else None
         self.model = model.eval()
+        self.max_model_len = max_model_len
+        if callable(num_blocks):
+            num_blocks = num_blocks(self)
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim),
             dtype=dtype,
@@ -122,6 +127,44 @@ class ModelRunner:
         """A decode graph's body: every row's logits ``[b, vocab]``."""
         hidden = self._forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden, out=self._graph_logits[: hidden.shape[0]])
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """A forward pass of ``num_tokens`` dummy prompt tokens over ``num_seqs``
+        sequences (as even as the tokens allow, each within the context length), on a
+        cache of their own; returns each sequence's last logits ``[num_seqs, vocab]``.
+        Run before the KV cache exists, to measure the activations' peak memory."""
+        if not 1 <= num_seqs <= num_tokens:
+            raise ValueError(f"profile_forward needs 1 <= num_seqs <= num_tokens, got {num_seqs}, {num_tokens}")
+        num_seqs = max(num_seqs, -(-num_tokens // self.max_model_len))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        bs, dev, arch = self.block_size, self.device, self.arch
+        per_seq = [-(-n // bs) for n in lens]
+        cache = torch.zeros((arch.num_layers, 2, sum(per_seq), bs, arch.num_kv_heads, arch.head_dim),
+                            dtype=self.dtype, device=dev)  # fmt: skip
+        tables = np.zeros((num_seqs, max(per_seq)), dtype=np.int32)
+        qsl, slots, positions, first = [0], [], [], 0
+        for i, (n, blocks) in enumerate(zip(lens, per_seq)):
+            tables[i, :blocks] = range(first, first + blocks)
+            slots.extend(first * bs + p for p in range(n))
+            positions.extend(range(n))
+            qsl.append(qsl[-1] + n)
+            first += blocks
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(num_seqs, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            context_lens_cpu=[0] * num_seqs,
+        )
+        if self.lora is not None:
+            self.lora.lay_out([(qsl[i], n, None) for i, n in enumerate(lens)], dev)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=dev), cache, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
 
     def take_restore_timings(self) -> list[tuple[int, float]]:
         """``(tokens, seconds)`` of each host-tier restore that finished since the last
