@@ -1,6 +1,7 @@
 """The FastAPI application every host serves (the Serve ingress, the single-engine
-server): OpenAI routes over an ``OpenAIServing``, the API key check, the body-size cap,
-the error envelope, and client-disconnect aborts.
+server): OpenAI routes and Anthropic's ``/v1/messages`` (``deploy/messages_api.py``) over
+an ``OpenAIServing``, the API key check, the body-size cap, the error envelope, and
+client-disconnect aborts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.deploy.errors import APIError, error_body
+from kvroute.deploy.messages_api import create_message
+from kvroute.deploy.messages_answer import error_body as messages_error_body
 from kvroute.deploy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -97,6 +100,10 @@ def _openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body, await request.body()))
+
+    @app.post("/v1/messages")  # Anthropic's Messages API, served through the chat path
+    async def messages(request: Request) -> Response:
+        return await _respond(request, create_message(serving, await request.body()))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -227,13 +234,18 @@ class _Guard:
         if root and path.startswith(root):  # mounted under a prefix (Serve's route_prefix)
             path = path[len(root) :]
         if self.api_key is not None and path.startswith(("/v1", "/admin")):
-            if not self._authorized(scope):
-                await _send_json(send, 401, error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+            if not self._authorized(scope, path):
+                message = "invalid or missing API key (send Authorization: Bearer <key>)"
+                if path.startswith("/v1/messages"):
+                    body = messages_error_body(401, message.replace("(send ", "(send x-api-key: <key> or "))
+                else:
+                    body = error_body(401, message, code="invalid_api_key")
+                await _send_json(send, 401, body, {"WWW-Authenticate": "Bearer"})
                 return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             declared = _header(scope, b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-                await _send_json(send, 413, self._too_large())
+                await _send_json(send, 413, self._too_large(path))
                 return
             chunks, size = [], 0
             while True:
@@ -243,7 +255,7 @@ class _Guard:
                 body = message.get("body", b"")
                 size += len(body)
                 if size > self.max_body_bytes:
-                    await _send_json(send, 413, self._too_large())
+                    await _send_json(send, 413, self._too_large(path))
                     return
                 chunks.append(body)
                 if not message.get("more_body", False):
@@ -251,13 +263,20 @@ class _Guard:
             receive = _replay(b"".join(chunks), receive)
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope: dict) -> bool:
+    def _authorized(self, scope: dict, path: str) -> bool:
+        """A Bearer token, or on /v1/messages also ``x-api-key`` (how Anthropic's clients send it)."""
         value = _header(scope, b"authorization") or ""
         scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
+            return True
+        key = _header(scope, b"x-api-key") if path.startswith("/v1/messages") else None
+        return key is not None and hmac.compare_digest(key.strip().encode(), self.api_key)
 
-    def _too_large(self) -> dict[str, Any]:
-        return error_body(413, f"request body exceeds the server's limit of {self.max_body_bytes} bytes", code="request_too_large")
+    def _too_large(self, path: str) -> dict[str, Any]:
+        message = f"request body exceeds the server's limit of {self.max_body_bytes} bytes"
+        if path.startswith("/v1/messages"):
+            return messages_error_body(413, message)
+        return error_body(413, message, code="request_too_large")
 
 
 def _header(scope: dict, name: bytes) -> Optional[str]:
