@@ -193,17 +193,21 @@ def _serve_replica(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, replica_id=args.replica_id, **_engine_kwargs(args))
     limits = _limits(args)
     tools = tool_config_from_args(args)
+    _log_to_stderr()  # the engine's start-up lines (its KV cache size)
     print(f"kvroute: serving {args.model} on http://{args.host}:{args.port}/v1 (one engine, Ctrl-C stops)", flush=True)
     serve_replica(config, args.host, args.port, limits, args.served_model_name, kv_events, tools)
     return 0
 
 
-def serve_app_args(args: argparse.Namespace):
-    """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``."""
+def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool = True):
+    """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``, on a
+    machine (``local``) or cluster with ``visible_gpus`` GPUs (``deploy/replica_gpus.py``)."""
     from kvroute.deploy.app_config import parse_args, router_choice
+    from kvroute.deploy.replica_gpus import replica_gpus
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    engine = parse_engine_kwargs(args.engine_kwargs)
+    runs_model = args.emulate is None and engine.get("device") != "cpu" and args.workers is None
+    replicas, gpus = replica_gpus(args.replicas, args.num_gpus_per_replica, visible_gpus, runs_model, local)
     route = router_choice(args.router)
     limits = _limits(args)
     app: dict = {
@@ -213,8 +217,8 @@ def serve_app_args(args: argparse.Namespace):
                 "model_loading_config": {"model_id": args.served_model_name or args.model, "model_source": args.model},
                 "engine_kwargs": _engine_kwargs(args),
                 "deployment_config": {
-                    "num_replicas": args.replicas,
-                    "ray_actor_options": {"num_cpus": args.num_cpus_per_replica},
+                    "num_replicas": replicas,
+                    "ray_actor_options": {"num_cpus": args.num_cpus_per_replica, "num_gpus": gpus},
                     "request_router_config": {"request_router_class": route["request_router_class"]},
                 },
                 "router_policy": route["router_policy"],
@@ -258,12 +262,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvroute.cluster.router_actor import kill_router_actors
     from kvroute.deploy.app import build_app
+    from kvroute.deploy.replica_gpus import local_gpu_count
 
-    app_args = serve_app_args(args)
-    engines = 0 if app_args.workers is not None else args.replicas
     if args.address:
         ray.init(address=args.address, namespace="kvroute-serve", logging_level="warning")
+        app_args = serve_app_args(args, int(ray.cluster_resources().get("GPU", 0)), local=False)
     else:
+        app_args = serve_app_args(args, local_gpu_count())  # (before ray.init: its CPUs depend on the replicas)
+    engines = 0 if app_args.workers is not None else app_args.llm_configs[0].deployment_config.num_replicas
+    if not args.address:
         # Logical CPUs are bookkeeping: give Ray room for every replica plus the ingress
         # even on a small machine (each replica still runs num_cpus torch threads).
         config = app_args.cluster_config()
@@ -274,7 +281,9 @@ def _serve(args: argparse.Namespace) -> int:
     if app_args.workers is not None:
         print(f"kvroute: routing to {len(app_args.workers)} worker(s) of {args.model} (router: {args.router})…", flush=True)
     else:
-        print(f"kvroute: starting {args.replicas} replica(s) of {args.model} (router: {args.router})…", flush=True)
+        gpus = app_args.llm_configs[0].deployment_config.ray_actor_options["num_gpus"]
+        on = f", {gpus:g} GPU(s) each" if gpus else ""
+        print(f"kvroute: starting {engines} replica(s) of {args.model}{on} (router: {args.router})…", flush=True)
     serve.run(build_app(app_args), name=args.app_name, route_prefix="/")
     print(f"kvroute: ready on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
 
@@ -329,13 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     _add_server_args(s, port=8000)
     _add_tool_args(s)
-    s.add_argument("--replicas", type=int, default=2)
+    s.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas (default: one per visible GPU where there are GPUs, else 2)")
     s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
     s.add_argument("--num-routers", type=int, default=1,
                    help="active router actors, each with the whole directory; ingresses fail over between them")
     s.add_argument("--ingress-replicas", type=int, default=1,
                    help="HTTP ingress replicas (Serve spreads them over the nodes; each proxy prefers its own node's)")
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    s.add_argument("--num-gpus-per-replica", type=float, default=None,
+                   help="GPUs each replica reserves, fractions allowed (default: 1 where there are GPUs, else 0)")
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
     s.add_argument("--workers", default=None, metavar="URL[=EVENTS[=REPLAY]][,...]",
@@ -360,6 +372,24 @@ def _bench(args: argparse.Namespace) -> int:
     from kvroute.benchmarks.cli import main as bench_main
 
     return bench_main([] if args.bench_list else args.bench_args)
+
+
+def _log_to_stderr() -> None:
+    """kvroute's INFO lines on stderr, once (``serve-replica``: a server's start-up lines;
+    ``generate`` keeps stderr for errors)."""
+    import logging
+
+    class Stderr(logging.StreamHandler):
+        """Writes to the ``sys.stderr`` of the moment (a test may have replaced it)."""
+
+        stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    logger = logging.getLogger("kvroute")
+    if not logger.handlers:
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
