@@ -9,7 +9,9 @@ Anthropic's error envelope; the API key is taken from ``x-api-key``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
 
+from kvroute.deploy.errors import error_body  # noqa: E402
+from kvroute.deploy.messages_answer import message_events  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
 from kvroute.deploy.serving import ServerLimits  # noqa: E402
 from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
@@ -245,3 +249,49 @@ def test_x_api_key_and_body_cap(tiny_llama_path):
         with pytest.raises(anthropic.APIStatusError) as exc:
             ok.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi " * 3000}])
         assert _error(exc.value)[:2] == (413, "request_too_large")
+
+
+# ---------------------------------------------------------------------- the event translation
+def _events(raw: bytes, cut: int) -> list[tuple[str, dict[str, Any]]]:
+    """Anthropic's events made from a chat stream's bytes fed ``cut`` bytes at a time
+    (a forwarding backend passes a worker's bytes as they came)."""
+    async def pieces() -> Any:
+        for i in range(0, len(raw), cut):
+            yield raw[i : i + cut]
+
+    async def run() -> bytes:
+        return b"".join([e async for e in message_events(pieces(), "msg_1", MODEL, 30, ["zzqx"])])
+
+    out = []
+    for frame in asyncio.run(run()).decode().split("\n\n")[:-1]:
+        name, data = frame.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        out.append((name[7:], json.loads(data[6:])))
+        assert out[-1][1]["type"] == out[-1][0]
+    return out
+
+
+def test_events_from_chat_bytes_however_cut(server):
+    """The chat stream's real bytes, cut anywhere, give the same events; an error frame
+    in the chat stream is an ``error`` event, and so is a stream that ends unfinished."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 20,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    raw = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).content
+    whole = _chat(server, body["messages"], max_tokens=20)
+    events = _events(raw, len(raw))
+    assert _events(raw, 7) == events == _events(raw.replace(b"\n", b"\r\n"), 5)
+    assert [n for n, _ in events][:2] == ["message_start", "content_block_start"]
+    assert [n for n, _ in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    text = "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta")
+    assert text == whole["choices"][0]["message"]["content"]
+    delta = events[-2][1]
+    assert delta["usage"]["output_tokens"] == whole["usage"]["completion_tokens"]
+    assert delta["delta"]["stop_reason"] == {"stop": "end_turn", "length": "max_tokens"}[whole["choices"][0]["finish_reason"]]
+
+    first = raw.index(b"\n\n", re.search(rb'"content":"[^"]', raw).start()) + 2  # through the first text chunk
+    failed = raw[:first] + b"data: " + json.dumps(error_body(429, "overloaded")).encode() + b"\n\ndata: [DONE]\n\n"
+    events = _events(failed, 11)
+    assert events[-1] == ("error", {"type": "error", "error": {"type": "rate_limit_error", "message": "overloaded"}})
+    assert [n for n, _ in events][:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert "message_stop" not in [n for n, _ in events]
+    assert _events(raw[:first], 3)[-1][1]["error"]["type"] == "api_error"  # ended before it finished
