@@ -103,8 +103,9 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     return value
 
 
-def message_body(chat: dict[str, Any], msg_id: str, stop_sequences: Sequence[str]) -> dict[str, Any]:
-    """The whole message from a chat completion body (one choice)."""
+def message_body(chat: dict[str, Any], msg_id: str, model: str, stop_sequences: Sequence[str]) -> dict[str, Any]:
+    """The whole message from a chat completion body (one choice). ``model``: the name
+    the request was served as (a worker's answer carries the worker's name for it)."""
     choice = chat["choices"][0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
@@ -115,7 +116,7 @@ def message_body(chat: dict[str, Any], msg_id: str, stop_sequences: Sequence[str
         content.append({"type": "tool_use", "id": call["id"], "name": fn.get("name"), "input": _tool_input(fn.get("arguments"))})
     called = any(block["type"] == "tool_use" for block in content)
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), called, stop_sequences)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": chat.get("model"), "content": content,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat.get("usage"))}  # fmt: skip
 
 

@@ -363,7 +363,7 @@ async def create_message(serving: OpenAIServing, raw: bytes) -> Answer:
         stops = req.stop_sequences or ()
         msg_id = message_id(prepared.request_id)
         if isinstance(answer, dict):
-            return message_body(answer, msg_id, stops)
+            return message_body(answer, msg_id, prepared.model, stops)
         return message_events(answer, msg_id, prepared.model, len(prepared.prompts[0]), stops)
     except MessagesError:
         raise
