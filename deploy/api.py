@@ -101,7 +101,10 @@ def _openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body, await request.body()))
 
-    @app.post("/v1/messages")  # Anthropic's Messages API, served through the chat path
+    # Anthropic's Messages API through the chat path. It reads its own body (Anthropic's
+    # fields and error envelope), which FastAPI's generated OpenAPI would misdescribe as an
+    # OpenAI route without a body: it stays out of /openapi.json.
+    @app.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request) -> Response:
         return await _respond(request, create_message(serving, await request.body()))
 
