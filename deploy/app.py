@@ -36,6 +36,7 @@ from kvroute.deploy.app_metrics import IngressReporter, router_metrics
 from kvroute.deploy.choices import ChoiceBackend
 from kvroute.deploy.errors import APIError
 from kvroute.deploy.fanout import Choice
+from kvroute.deploy.generation_defaults import GenerationDefaults
 from kvroute.deploy.metrics import DecisionQuality
 from kvroute.deploy.serving import AdapterHost, Backend, OpenAIServing, ServerLimits
 from kvroute.deploy.workers import WorkersBackend, admin_routes, pool_metrics
@@ -127,7 +128,7 @@ class OpenAIIngress:
 
     async def __init__(self, args: dict[str, Any], config: ClusterConfig, engine_handle: Any = None) -> None:
         parsed = parse_args(args)
-        tokenizer, max_model_len, vocab_size = await load_model_info(config)
+        tokenizer, max_model_len, vocab_size, defaults = await load_model_info(config)
         self.router_actors = get_or_create_router_actors(config)
         for actor in self.router_actors:  # a redeploy that changed only the policy: the kept routers adopt it
             actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
@@ -140,7 +141,7 @@ class OpenAIIngress:
         name = parsed.llm_configs[0].model_loading_config.model_id
         aliases = () if config.engine.model == name else (config.engine.model,)
         self.serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, self.parts.backend, limits, aliases,
-                                     self.parts.adapters, parsed.ingress.tool_config())  # fmt: skip
+                                     self.parts.adapters, parsed.ingress.tool_config(), defaults)  # fmt: skip
         self.reporter = IngressReporter(self.router_actors, self.accuracy, self.parts.routing_stats)
         # /v1/responses' stored responses: one store per application, so any ingress continues any response
         self.response_store = RemoteResponseStore(get_or_create_response_store(config.app_name))
@@ -190,8 +191,9 @@ async def _workers_parts(parsed: AppArgs, config: ClusterConfig, routers: list[A
                         routes=admin_routes(pool), keepalive=pool.touch.remote)  # fmt: skip
 
 
-async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
-    """The ingress' view of the model: its tokenizer, context length and vocabulary size."""
+async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int, GenerationDefaults]:
+    """The ingress' view of the model: its tokenizer, context length, vocabulary size and
+    sampling defaults (its generation_config.json, unless ``generation_config`` says otherwise)."""
     from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
     from kvroute.replica.models.arch import ModelArch
 
@@ -199,7 +201,8 @@ async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int]:
     light = config.engine.emulate is not None
     tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
     arch = ModelArch.from_hf_config(load_hf_config(path, light))
-    return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size
+    defaults = GenerationDefaults.load(path, config.engine.generation_config)
+    return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size, defaults
 
 
 def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:

@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-gb", type=float, default=0.0, help="or the host KV tier's size in GiB")
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="cut prefill chunks so a step shared with other requests takes about this long (0: tokens only)")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="sampling defaults for requests that leave them unset: the model's generation_config.json "
+                        "(auto, the default), none (vllm), or DIR's")
     p.add_argument("--engine-kwargs", default="{}", metavar="JSON",
                    help="any other EngineConfig field, as a JSON object (e.g. '{\"page_aligned\": false}')")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model")
@@ -46,7 +49,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 # EngineConfig fields that have their own flag (so --engine-kwargs may not name them)
 _FLAGGED = ("dtype", "block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "max_model_len", "enable_prefix_caching", "seed", "emulate", "time_scale", "host_kv_blocks", "host_kv_gb", "step_target_s",
-            "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
+            "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "generation_config")
 
 
 def parse_engine_kwargs(text: str) -> dict:
@@ -84,7 +87,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     if flagged:
         raise ValueError(f"--engine-kwargs names {flagged}; use their own flags ({', '.join('--' + f.replace('_', '-') for f in flagged)})")
     optional = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-                "enable_chunked_prefill": args.enable_chunked_prefill}  # fmt: skip
+                "enable_chunked_prefill": args.enable_chunked_prefill, "generation_config": args.generation_config}  # fmt: skip
     return extra | {k: v for k, v in optional.items() if v is not None} | dict(
         dtype=args.dtype,
         block_size=args.block_size,

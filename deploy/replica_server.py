@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from kvroute.deploy.api import build_api
 from kvroute.deploy.choices import ChoiceBackend
+from kvroute.deploy.generation_defaults import GenerationDefaults
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
 from kvroute.deploy.serving import OpenAIServing, ServerLimits
@@ -81,6 +82,7 @@ def build_replica_server(
         served_model_aliases=() if name == config.model else (config.model,),
         adapters=async_engine if config.enable_lora else None,
         tool_config=tool_config,
+        generation_defaults=GenerationDefaults.load(engine.model_path, config.generation_config),
     )
     replica_id = config.replica_id
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvroute import __version__
 from kvroute.deploy.chat_template import ChatRenderer
 from kvroute.deploy.errors import APIError, bad_request
+from kvroute.deploy.generation_defaults import GenerationDefaults
 from kvroute.deploy.grammar_check import StructuredOutputCheck
 from kvroute.deploy.protocol import (
     Answer,
@@ -109,7 +110,9 @@ class OpenAIServing:
         served_model_aliases: Sequence[str] = (),
         adapters: Optional[AdapterHost] = None,
         tool_config: ToolServingConfig = ToolServingConfig(),
+        generation_defaults: GenerationDefaults = GenerationDefaults(),
     ) -> None:
+        self.generation_defaults = generation_defaults  # the model's sampling defaults (generation_config.json)
         self.adapters = adapters
         self.tool_config = tool_config
         self.renderer = ChatRenderer(tokenizer, tool_config.chat_template)
@@ -245,7 +248,9 @@ class OpenAIServing:
         # Tokenizing a prompt near the body limit takes seconds: off the event loop.
         token_lists, echo = await asyncio.to_thread(self._prompt_ids, prompts, req)
         structured = await self._structured_output(req)
-        max_tokens = 1 if req.echo_only else req.max_tokens if req.max_tokens is not None else 16
+        room = max(1, self.max_model_len - max(map(len, token_lists)))  # (the model's max_new_tokens, at most this)
+        max_tokens = 1 if req.echo_only else req.max_tokens if req.max_tokens is not None else self.generation_defaults.max_tokens(
+            room, 16)  # fmt: skip
         echo_logprobs = req.echo and req.logprobs is not None
         prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_logprobs else req.prompt_logprobs
         params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs, structured_output=structured,
@@ -285,7 +290,7 @@ class OpenAIServing:
         structured = requested if requested is not None else await self.check_structured(plan.structured_output())
         ids = await asyncio.to_thread(self._chat_ids, req, plan.tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = limit if limit is not None else max(1, self.max_model_len - len(ids))
+        max_tokens = limit if limit is not None else self.generation_defaults.max_tokens(max(1, self.max_model_len - len(ids)))
         try:
             num_logprobs = req.num_logprobs()
         except ValueError as exc:
@@ -368,7 +373,8 @@ class OpenAIServing:
         for i, ids in enumerate(token_lists):
             self._check_length(req, ids, i if len(token_lists) > 1 else None, max_tokens, max_tokens_param)
         try:
-            return [req.sampling_params(max_tokens, logprobs, seed_offset=i, **extra) for i in range(req.n)]
+            defaults = self.generation_defaults.unset_fields(req)
+            return [req.sampling_params(max_tokens, logprobs, seed_offset=i, **(defaults | extra)) for i in range(req.n)]
         except ValueError as exc:
             raise bad_request(str(exc), param="min_tokens" if "min_tokens" in str(exc) else field_of(str(exc))) from None
 

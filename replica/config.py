@@ -55,6 +55,11 @@ class EngineConfig:
     ``max_requests``: the most requests the serving layer hands this engine at once
     (Ray Serve's ``max_ongoing_requests``; 0: no cap). The engine only reports it: a
     router sends a request elsewhere before that layer would pass it on by queue length.
+
+    ``generation_config``: whose sampling defaults the HTTP server applies to requests
+    that leave a field unset, as vLLM's ``--generation-config``: ``auto`` the model's
+    ``generation_config.json``, ``vllm`` none, or another folder's file
+    (``deploy/generation_defaults.py``). The engine itself does not read it.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -85,6 +90,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: Mapping[str, str] = field(default_factory=dict)
     max_requests: int = 0
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -131,6 +137,8 @@ class EngineConfig:
             raise ValueError("time_scale applies to an emulated engine only (set emulate)")
         if self.step_target_s is not None and not self.step_target_s > 0:
             raise ValueError(f"step_target_s must be > 0 or None, got {self.step_target_s!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
         self._check_lora()
