@@ -104,13 +104,27 @@ _ITEMS: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": F
                                       "function_call_output": FunctionCallOutputItem}  # fmt: skip
 
 
-class FunctionTool(FunctionDefinition):
+class FunctionTool(_Strict):
     """``{"type": "function", "name", "description", "parameters", "strict"}``: the chat
-    path's function definition, flattened as the Responses API spells it."""
-
-    model_config = ConfigDict(extra="forbid")
+    path's function definition (whose checks it runs), flattened as the Responses API
+    spells it. ``type`` comes first, so a tool of another type is refused by its type."""
 
     type: Literal["function"]
+    name: Text
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _as_chat_function(self) -> "FunctionTool":
+        try:
+            FunctionDefinition.model_validate(self.model_dump(exclude={"type"}, exclude_none=True))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise ValueError(message if message.startswith(f"{field}") else f"{field}: {message}") from None
+        return self
 
     def chat_tool(self) -> dict[str, Any]:
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
@@ -135,8 +149,9 @@ class TextFormat(_Strict):
     strict: Optional[StrictBool] = None
     description: Optional[Text] = None
 
-    @model_validator(mode="after")
-    def _fields_of_type(self) -> "TextFormat":
+    def check(self) -> None:
+        """The fields its type needs and takes (ValueError naming ``text.format.*``; run
+        from the request, so the message's field is the whole path)."""
         if self.type == "json_schema":
             if self.schema_ is None:
                 raise ValueError("text.format.schema: required with type json_schema")
@@ -144,7 +159,6 @@ class TextFormat(_Strict):
                 raise ValueError("text.format.name: required with type json_schema")
         elif any(v is not None for v in (self.name, self.schema_, self.strict, self.description)):
             raise ValueError(f"text.format: name, schema, strict and description go with type json_schema, not {self.type}")
-        return self
 
     def response_format(self) -> Optional[dict[str, Any]]:
         """The chat path's ``response_format`` (None: plain text)."""
@@ -188,6 +202,8 @@ class ResponsesRequest(NullableModel):
     def _check(self) -> "ResponsesRequest":
         if isinstance(self.input, list):
             self._items = [_item(i, raw) for i, raw in enumerate(self.input)]
+        if self.text is not None:
+            self.text.format.check()
         if self.metadata is not None:
             if len(self.metadata) > MAX_METADATA_PAIRS:
                 raise ValueError(f"metadata: at most {MAX_METADATA_PAIRS} pairs, got {len(self.metadata)}")

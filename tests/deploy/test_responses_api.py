@@ -1,0 +1,374 @@
+"""The Responses API (``/v1/responses``) end to end with the official ``openai`` client:
+the single-engine server on the embedded SmolLM2 with the tool flags (``chatml_tools``,
+auto tool choice, the hermes parser), then once through the Ray Serve application with
+two ingresses in front of one fleet. Also the response store's bounds, on its own, and
+the OpenAI Agents SDK's default (Responses) model when the package is installed.
+
+What a Responses request answers is checked against the same conversation sent to
+``/v1/chat/completions`` (greedy, so the texts must be equal): that is what the
+translation promises.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+pytest.importorskip("fastapi")
+
+from kvroute.cluster.response_store_actor import BoundedStore, StoreBounds  # noqa: E402
+from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
+from kvroute.deploy.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
+from kvroute.replica.config import EngineConfig  # noqa: E402
+from tests.deploy.server import running  # noqa: E402
+
+MODEL = "smol"
+GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 24}
+TRIP = {
+    "type": "function", "name": "plan_trip", "description": "Plan a trip through some cities",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["cities", "mode"], "properties": {
+        "cities": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+        "mode": {"type": "string", "enum": ["train", "car"]}}},
+}  # fmt: skip
+WEATHER = {
+    "type": "function", "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), num_kv_blocks=512, max_model_len=1024, dtype="float32", max_num_seqs=16)
+    tools = ToolServingConfig.from_flags("chatml_tools", "hermes", True)
+    app, _ = build_replica_server(config, ServerLimits(), MODEL, tool_config=tools)
+    with running(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat_text(client, messages: list[dict[str, Any]], max_tokens: int = 24) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens)
+    return r.choices[0].message.content
+
+
+def _events(stream) -> list[Any]:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events
+
+
+# ---------------------------------------------------------------------- text
+def test_plain_input_and_instructions_answer_as_the_chat_path(client):
+    r = client.responses.create(model=MODEL, input="Name a fruit.", **GREEDY)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status in ("completed", "incomplete")
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.output_text == _chat_text(client, [{"role": "user", "content": "Name a fruit."}])
+    u = r.usage
+    assert u.input_tokens > 0 and u.output_tokens > 0 and u.total_tokens == u.input_tokens + u.output_tokens
+
+    told = client.responses.create(model=MODEL, instructions="Answer in French.", input="Name a fruit.", **GREEDY)
+    assert told.instructions == "Answer in French." and told.temperature == 0
+    expected = _chat_text(client, [{"role": "system", "content": "Answer in French."},
+                                   {"role": "user", "content": "Name a fruit."}])  # fmt: skip
+    assert told.output_text == expected and told.usage.input_tokens != u.input_tokens
+
+    # input items: typed content parts and an earlier assistant turn
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi, I am Ada."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello Ada!", "annotations": []}]},
+             {"role": "user", "content": "What is my name?"}]  # fmt: skip
+    r = client.responses.create(model=MODEL, input=items, **GREEDY)
+    assert r.output_text == _chat_text(client, [{"role": "user", "content": "Hi, I am Ada."},
+                                                {"role": "assistant", "content": "Hello Ada!"},
+                                                {"role": "user", "content": "What is my name?"}])  # fmt: skip
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Tell me a long story about a dragon.", temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+
+
+def test_streamed_text_equals_the_greedy_text(client):
+    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 100}  # room to finish: the stream helper wants response.completed
+    whole = client.responses.create(model=MODEL, input="Write one sentence about the sea.", **kw)
+    events = _events(client.responses.create(model=MODEL, input="Write one sentence about the sea.", stream=True,
+                                             **kw))  # fmt: skip
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(d.delta for d in deltas) == whole.output_text
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert whole.status == "completed" and kinds[-1] == "response.completed"
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response
+    assert done.text == whole.output_text == final.output_text and final.id == events[0].response.id
+    assert {d.item_id for d in deltas} == {final.output[0].id}
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    # the SDK's stream helper assembles the same response
+    with client.responses.stream(model=MODEL, input="Write one sentence about the sea.", **kw) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        assert text == stream.get_final_response().output_text == whole.output_text
+
+
+# ---------------------------------------------------------------------- structured output
+def test_json_schema_text_format_validates(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "colors"], "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}}}  # fmt: skip
+    fmt = {"format": {"type": "json_schema", "name": "fruit", "schema": schema, "strict": True}}
+    r = client.responses.create(model=MODEL, input="Describe an apple as JSON.", text=fmt, temperature=0,
+                                max_output_tokens=80)  # fmt: skip
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+    class Fruit(pydantic.BaseModel):
+        name: str
+        color: Literal["red", "green", "yellow"]
+
+    parsed = client.responses.parse(model=MODEL, input="Describe a banana.", text_format=Fruit, temperature=0,
+                                    max_output_tokens=60)  # fmt: skip
+    assert isinstance(parsed.output_parsed, Fruit)
+    # json_object: any object (the model rambles inside it; that it is held to an object shows from its start)
+    obj = client.responses.create(model=MODEL, input="Tell me about cats.", temperature=0, max_output_tokens=16,
+                                  text={"format": {"type": "json_object"}})  # fmt: skip
+    assert obj.text.format.type == "json_object" and obj.output_text.lstrip().startswith("{")
+
+
+# ---------------------------------------------------------------------- function calls
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "plan_trip"}, "required"])
+def test_forced_call_with_array_and_enum_is_a_function_call_item(client, tool_choice):
+    kw: dict[str, Any] = dict(model=MODEL, input="Plan a train trip to Paris and Rome.", tools=[TRIP, WEATHER],
+                              tool_choice=tool_choice, parallel_tool_calls=False, temperature=0, max_output_tokens=120)  # fmt: skip
+    r = client.responses.create(**kw)
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "plan_trip" and call.call_id.startswith("call_")
+    assert call.id.startswith("fc_") and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), TRIP["parameters"])
+    assert r.tools[0].name == "plan_trip" and r.parallel_tool_calls is False
+
+    events = _events(client.responses.create(stream=True, **kw))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    [item] = events[-1].response.output
+    assert "".join(fragments) == done.arguments == item.arguments == call.arguments
+    assert item.type == "function_call" and item.name == "plan_trip" and events[-1].type == "response.completed"
+
+
+def test_tool_loop_with_function_call_output(client):
+    ask = "What's the weather in Paris?"
+    first = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, temperature=0, max_output_tokens=80)  # fmt: skip
+    [call] = first.output
+    args = json.loads(call.arguments)
+    jsonschema.validate(args, WEATHER["parameters"])
+    result = json.dumps({"city": args["city"], "temperature": 18, "unit": args["unit"]})
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": result}
+    # continued from the stored response ...
+    cont = client.responses.create(model=MODEL, previous_response_id=first.id, input=[answer], tools=[WEATHER],
+                                   tool_choice="none", temperature=0, max_output_tokens=40)  # fmt: skip
+    # ... and with the whole conversation sent again, the output items replayed as they came
+    replay = [{"role": "user", "content": ask}, call.model_dump(exclude_none=True), answer]
+    again = client.responses.create(model=MODEL, input=replay, tools=[WEATHER], tool_choice="none", temperature=0,
+                                    max_output_tokens=40, store=False)  # fmt: skip
+    expected = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        messages=[{"role": "user", "content": ask},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                   "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": result}])  # fmt: skip
+    text = expected.choices[0].message.content
+    assert text and "<tool_call>" not in text
+    assert cont.output_text == again.output_text == text
+    assert [o.type for o in cont.output] == ["message"] and cont.previous_response_id == first.id
+
+
+# ---------------------------------------------------------------------- stored responses
+def test_previous_response_id_continues_on_the_cached_prefix(server, client):
+    first = client.responses.create(model=MODEL, instructions="You are terse.", input="My cat is called Tom.", **GREEDY)
+    second = client.responses.create(model=MODEL, instructions="You are terse.", previous_response_id=first.id,
+                                     input="What is my cat called?", **GREEDY)  # fmt: skip
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "My cat is called Tom."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "What is my cat called?"}]  # fmt: skip
+    assert second.output_text == _chat_text(client, conversation)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    # the continuation's prompt starts with the first one's, whose blocks the engine kept
+    assert 0 < second.usage.input_tokens_details.cached_tokens <= first.usage.input_tokens + first.usage.output_tokens
+    # instructions are not carried over: without them the prompt is the conversation alone
+    third = client.responses.create(model=MODEL, previous_response_id=second.id, input="Thanks.", **GREEDY)
+    tokens = httpx.post(server + "/tokenize", json={
+        "model": MODEL, "messages": conversation[1:] + [{"role": "assistant", "content": second.output_text},
+                                                         {"role": "user", "content": "Thanks."}]}).json()  # fmt: skip
+    assert third.usage.input_tokens == tokens["count"]
+
+
+def test_get_and_delete(client):
+    r = client.responses.create(model=MODEL, input="Say yes.", metadata={"ticket": "42"}, user="ada", **GREEDY)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"ticket": "42"}
+    assert got.usage == r.usage and got.user == "ada" and got.store is True
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, previous_response_id=r.id, input="And?", **GREEDY)
+    assert err.value.body["code"] == "previous_response_not_found" and err.value.body["param"] == "previous_response_id"
+
+
+def test_store_false_is_not_retrievable(client):
+    r = client.responses.create(model=MODEL, input="Say no.", store=False, **GREEDY)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    streamed = _events(client.responses.create(model=MODEL, input="Say no.", store=False, stream=True, **GREEDY))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(streamed[-1].response.id)
+    kept = _events(client.responses.create(model=MODEL, input="Say no.", stream=True, **GREEDY))[-1].response
+    assert client.responses.retrieve(kept.id).output_text == kept.output_text == r.output_text
+
+
+BAD = [
+    ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": "hi", "tools": [TRIP], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"input": "hi", "model": "gpt-4o"}, "model"),
+    ({"input": []}, "input"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_requests_are_4xx_naming_the_field(server, body, param):
+    r = httpx.post(server + "/v1/responses", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert r.status_code == (404 if param == "model" else 400)
+
+
+def test_unknown_ids_and_bodies_that_are_not_json(server):
+    assert httpx.get(server + "/v1/responses/resp_nope").status_code == 404
+    assert httpx.delete(server + "/v1/responses/resp_nope").json()["error"]["param"] == "response_id"
+    r = httpx.post(server + "/v1/responses", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- the store's bounds
+def test_bounded_store_evicts_by_count_bytes_and_age():
+    now = [0.0]
+    store = BoundedStore(StoreBounds(max_entries=3, max_bytes=100, ttl_s=10), clock=lambda: now[0])
+    for key in "abc":
+        assert store.put(key, "x" * 20)
+    store.get("a")  # "a" is now the most recently used: "b" goes first
+    store.put("d", "x" * 20)
+    assert [store.get(k) is not None for k in "abcd"] == [True, False, True, True]
+    store.put("e", "y" * 50)  # 20 * 3 + 50 > 100: the two least recently used go
+    assert store.stats()["bytes"] <= 100 and store.get("e") == "y" * 50
+    assert store.put("big", "z" * 101) is False and store.get("big") is None
+    now[0] = 11.0
+    assert store.get("e") is None and store.stats()["expired"] == 1
+    assert store.delete("d") is False  # expired too
+    store.put("f", "ok")
+    assert store.delete("f") is True and store.delete("f") is False
+
+
+# ---------------------------------------------------------------------- the OpenAI Agents SDK
+def test_agents_sdk_default_responses_model(server):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
+    settings = agents.ModelSettings(temperature=0, max_tokens=24)
+    plain = agents.Runner.run_sync(agents.Agent(name="plain", instructions="Be brief.", model=model, model_settings=settings),
+                                   "Name a color.")  # fmt: skip
+    assert isinstance(plain.final_output, str) and plain.final_output
+
+    asked: list[tuple[list[str], str]] = []
+
+    @agents.function_tool
+    def plan_trip(cities: list[str], mode: Literal["train", "car"]) -> str:
+        """Plan a trip through some cities."""
+        asked.append((cities, mode))
+        return f"booked {mode} through {', '.join(cities)}"
+
+    tool_settings = agents.ModelSettings(temperature=0, max_tokens=120, tool_choice="plan_trip")
+    agent = agents.Agent(name="planner", model=model, model_settings=tool_settings, tools=[plan_trip],
+                         tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    result = agents.Runner.run_sync(agent, "Plan a train trip to Paris and Rome.")
+    [(cities, mode)] = asked
+    assert cities and mode in ("train", "car") and result.final_output == f"booked {mode} through {', '.join(cities)}"
+
+
+# ---------------------------------------------------------------------- through the Serve application
+def test_any_ingress_of_the_serve_app_retrieves_and_continues_a_response(ray_cluster, tiny_llama_path):
+    """Two ingresses (the application's, and one more at ``/b`` in front of the same
+    fleet, as the multi-ingress benchmark runs them) share the application's response
+    store: a response stored through one is read, continued and deleted through the
+    other, and the continuation goes to the replica that holds the conversation's KV."""
+    import time
+
+    from ray import serve
+
+    from kvroute.cluster.response_store_actor import kill_response_store
+    from kvroute.cluster.router_actor import app_router
+    from kvroute.deploy.app import build_app, compose_ingress_app
+    from tests.conftest import end_serve_app, wait_until
+
+    ray = pytest.importorskip("ray")
+    name, model = "kvresponses", "tiny-served"
+    args = {"app_name": name, "llm_configs": [{
+        "model_loading_config": {"model_id": model, "model_source": str(tiny_llama_path)},
+        "engine_kwargs": {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32", "hash_seed": 11},
+        "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}}]}  # fmt: skip
+    serve.run(build_app(args), name=name, route_prefix="/")
+    serve.run(compose_ingress_app(args, name), name=f"{name}-b", route_prefix="/b")
+    try:
+        router = app_router(name)
+        wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
+        one = openai.OpenAI(base_url=ray_cluster + "/v1", api_key="none", max_retries=0, timeout=60)
+        two = openai.OpenAI(base_url=ray_cluster + "/b/v1", api_key="none", max_retries=0, timeout=60)
+        ask = "A long question about the rules of the archive and who may read its oldest books. " * 3
+        first = one.responses.create(model=model, input=ask, temperature=0, max_output_tokens=6)
+        assert two.responses.retrieve(first.id).output_text == first.output_text
+        time.sleep(0.5)  # the holder's KV events reach the routers
+        second = two.responses.create(model=model, previous_response_id=first.id, input="And then?", temperature=0,
+                                      max_output_tokens=6)  # fmt: skip
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        # routed to the replica holding the first prompt: its full blocks were cached
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 8 * 8 > 0
+        assert one.responses.retrieve(second.id).previous_response_id == first.id
+        two.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            one.responses.retrieve(first.id)
+    finally:
+        end_serve_app(f"{name}-b")
+        end_serve_app(name)
+        kill_response_store(name)
