@@ -91,6 +91,33 @@ def test_embedded_model_default_on_cpu(caplog: pytest.LogCaptureFixture) -> None
     assert len(out.token_ids) == 4
 
 
+def test_serve_replica_prints_the_kv_line(tiny_llama_path: Path) -> None:
+    """The start-up line reaches the console of ``kvroute serve-replica`` (the default
+    sizing on CPU)."""
+    import httpx
+
+    from tests.conftest import free_port, wait_until
+    from tests.deploy.server import start_cli, stop_cli
+
+    port = free_port()
+    proc, lines = start_cli(["serve-replica", "--model", str(tiny_llama_path), "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "256"], "serving")  # fmt: skip
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, 120, "serve-replica to answer /health", interval_s=0.2)
+    finally:
+        output = stop_cli(proc, lines)
+    (line,) = [x for x in output.splitlines() if "KV cache:" in x]
+    assert re.fullmatch(r"INFO kvroute.replica.kv_sizing: KV cache: \d+ blocks x 16 tokens = \d+ tokens, [\d.]+ GiB "
+                        r"\(5% of [\d.]+ GiB available RAM, at most 4 GiB\)", line), line  # fmt: skip
+
+
 def test_cpu_default_follows_available_ram(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """Exact sizes from the available RAM the engine reads (5 % of it; the cap is
