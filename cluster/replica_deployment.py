@@ -45,8 +45,10 @@ async def model_engine(config: EngineConfig, torch_threads: int | None = None) -
     (loaded in a thread, so the actor's event loop keeps answering Serve), or its
     emulation (``config.emulate``: no torch in the replica)."""
     from kvroute.replica.async_engine import AsyncEngine
+    from kvroute.replica.console_log import log_info_to_stderr
     from kvroute.replica.engine import Engine
 
+    log_info_to_stderr()  # the engine's start-up line (its KV cache size) in the replica's log
     if torch_threads is not None and config.emulate is None:
         import torch
 

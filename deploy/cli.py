@@ -191,12 +191,13 @@ def _serve_replica(args: argparse.Namespace) -> int:
     from kvroute.deploy.replica_server import serve_replica
     from kvroute.deploy.tool_serving import tool_config_from_args
     from kvroute.replica.config import EngineConfig
+    from kvroute.replica.console_log import log_info_to_stderr
 
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig()
     config = EngineConfig(model=args.model, replica_id=args.replica_id, **_engine_kwargs(args))
     limits = _limits(args)
     tools = tool_config_from_args(args)
-    _log_to_stderr()  # the engine's start-up lines (its KV cache size)
+    log_info_to_stderr()  # the engine's start-up lines (its KV cache size)
     print(f"kvroute: serving {args.model} on http://{args.host}:{args.port}/v1 (one engine, Ctrl-C stops)", flush=True)
     serve_replica(config, args.host, args.port, limits, args.served_model_name, kv_events, tools)
     return 0
@@ -375,24 +376,6 @@ def _bench(args: argparse.Namespace) -> int:
     from kvroute.benchmarks.cli import main as bench_main
 
     return bench_main([] if args.bench_list else args.bench_args)
-
-
-def _log_to_stderr() -> None:
-    """kvroute's INFO lines on stderr, once (``serve-replica``: a server's start-up lines;
-    ``generate`` keeps stderr for errors)."""
-    import logging
-
-    class Stderr(logging.StreamHandler):
-        """Writes to the ``sys.stderr`` of the moment (a test may have replaced it)."""
-
-        stream = property(lambda self: sys.stderr, lambda self, value: None)
-
-    logger = logging.getLogger("kvroute")
-    if not logger.handlers:
-        handler = Stderr()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
