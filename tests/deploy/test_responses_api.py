@@ -274,6 +274,70 @@ def test_bad_requests_are_4xx_naming_the_field(server, body, param):
     assert r.status_code == (404 if param == "model" else 400)
 
 
+def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
+    from tests.conftest import wait_until
+
+    body = {"model": MODEL, "input": "Tell me a very long story about a dragon.", "stream": True, "temperature": 0,
+            "max_output_tokens": 500}  # fmt: skip
+    with httpx.stream("POST", server + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                assert httpx.get(server + "/get_load").json()["num_reqs"] == 1  # still generating
+                break  # leaving the iterator drops the connection
+    wait_until(lambda: httpx.get(server + "/get_load").json()["num_reqs"] == 0, 20, "the engine request to be aborted")
+
+
+def _events_of(pieces: list[bytes]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The Responses events ``response_events`` makes of chat SSE bytes arriving in
+    ``pieces``, and what it handed over to be stored."""
+    import asyncio
+
+    from kvroute.deploy.responses_request import ResponsesRequest
+    from kvroute.deploy.responses_stream import response_events
+
+    async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async def feed():
+            for piece in pieces:
+                yield piece
+
+        stored: list[dict[str, Any]] = []
+
+        async def finished(response: dict[str, Any]) -> None:
+            stored.append(response)
+
+        frames = [e async for e in response_events(ResponsesRequest(input="x"), "resp_x", MODEL, 0, feed(), finished)]
+        return [json.loads(f.split(b"\ndata: ", 1)[1]) for f in frames], stored
+
+    return asyncio.run(run())
+
+
+def test_events_from_the_chat_streams_bytes_cut_anywhere_and_an_error_frame(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a fruit."}], "stream": True, "temperature": 0,
+            "max_tokens": 12, "stream_options": {"include_usage": True}}  # fmt: skip
+    raw = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).content
+    events, stored = _events_of([raw])
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text and events[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    chat_usage = json.loads(raw.split(b"data: ")[-2])["usage"]  # the chunk before [DONE]
+    assert stored == [events[-1]["response"]] and stored[0]["usage"]["output_tokens"] == chat_usage["completion_tokens"]
+
+    def shape(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        return [(e["type"], e.get("delta", "")) for e in evs]
+
+    for data in (raw, raw.replace(b"\n", b"\r\n")):
+        for size in (1, 7, 100):
+            assert shape(_events_of([data[i : i + size] for i in range(0, len(data), size)])[0]) == shape(events)
+    # the chat stream fails after it started: the open item ends, then error and response.failed; nothing stored
+    cut = raw[: raw.index(b"data: ", len(raw) // 2)]
+    error = {"error": {"message": "the service is overloaded", "type": "rate_limit_error", "param": None, "code": "overloaded"}}
+    failed, stored = _events_of([cut, b"data: " + json.dumps(error).encode() + b"\n\n", b"data: [DONE]\n\n"])
+    assert [e["type"] for e in failed[-3:]] == ["response.output_item.done", "error", "response.failed"]
+    assert failed[-2]["code"] == "overloaded" and failed[-1]["response"]["status"] == "failed"
+    assert failed[-1]["response"]["error"]["message"] == "the service is overloaded" and stored == []
+
+
 def test_unknown_ids_and_bodies_that_are_not_json(server):
     assert httpx.get(server + "/v1/responses/resp_nope").status_code == 404
     assert httpx.delete(server + "/v1/responses/resp_nope").json()["error"]["param"] == "response_id"
