@@ -394,11 +394,12 @@ def test_agents_sdk_default_responses_model(server):
 # ---------------------------------------------------------------------- through the Serve application
 def test_any_ingress_of_the_serve_app_retrieves_and_continues_a_response(ray_cluster, tiny_llama_path):
     """Two ingresses (the application's, and one more at ``/b`` in front of the same
-    fleet, as the multi-ingress benchmark runs them) share the application's response
-    store: a response stored through one is read, continued and deleted through the
-    other, and the continuation goes to the replica that holds the conversation's KV."""
-    import time
-
+    fleet of 4 replicas, as the multi-ingress benchmark runs them) share the
+    application's response store: a response stored through one is read, continued and
+    deleted through the other. Every continuation goes to the replica that holds its
+    conversation's KV: conversations that start apart spread over the replicas, and each
+    turn, sent through the other ingress than the one before, finds at least the
+    previous prompt's full blocks cached."""
     from ray import serve
 
     from kvroute.cluster.response_store_actor import kill_response_store
@@ -407,31 +408,45 @@ def test_any_ingress_of_the_serve_app_retrieves_and_continues_a_response(ray_clu
     from tests.conftest import end_serve_app, wait_until
 
     ray = pytest.importorskip("ray")
-    name, model = "kvresponses", "tiny-served"
+    name, model, block = "kvresponses", "tiny-served", 8
     args = {"app_name": name, "llm_configs": [{
         "model_loading_config": {"model_id": model, "model_source": str(tiny_llama_path)},
-        "engine_kwargs": {"block_size": 8, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32", "hash_seed": 11},
-        "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}}]}  # fmt: skip
+        "engine_kwargs": {"block_size": block, "num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32",
+                          "hash_seed": 11},
+        "deployment_config": {"num_replicas": 4, "ray_actor_options": {"num_cpus": 1}}}]}  # fmt: skip
     serve.run(build_app(args), name=name, route_prefix="/")
     serve.run(compose_ingress_app(args, name), name=f"{name}-b", route_prefix="/b")
     try:
         router = app_router(name)
-        wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "both replicas registered")
-        one = openai.OpenAI(base_url=ray_cluster + "/v1", api_key="none", max_retries=0, timeout=60)
-        two = openai.OpenAI(base_url=ray_cluster + "/b/v1", api_key="none", max_retries=0, timeout=60)
-        ask = "A long question about the rules of the archive and who may read its oldest books. " * 3
-        first = one.responses.create(model=model, input=ask, temperature=0, max_output_tokens=6)
-        assert two.responses.retrieve(first.id).output_text == first.output_text
-        time.sleep(0.5)  # the holder's KV events reach the routers
-        second = two.responses.create(model=model, previous_response_id=first.id, input="And then?", temperature=0,
-                                      max_output_tokens=6)  # fmt: skip
-        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-        # routed to the replica holding the first prompt: its full blocks were cached
-        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 8 * 8 > 0
-        assert one.responses.retrieve(second.id).previous_response_id == first.id
-        two.responses.delete(first.id)
+        wait_until(lambda: len(ray.get(router.replicas.remote())) == 4, 120, "the 4 replicas registered")
+        ingresses = [openai.OpenAI(base_url=ray_cluster + prefix, api_key="none", max_retries=0, timeout=60)
+                     for prefix in ("/v1", "/b/v1")]  # fmt: skip
+        one, two = ingresses
+        topics = ["the archive", "a lighthouse", "the winter market", "an old ferry", "the orchard", "a glass tower",
+                  "the salt road", "a quiet library"]  # fmt: skip
+        # each conversation's own instructions (a continuation sends them again): its first block is its own,
+        # where the template's default system prompt would give every conversation the same first blocks
+        instructions = [f"{t.title()} keeper, answer briefly." for t in topics]
+        last = [one.responses.create(model=model, instructions=ins, input=f"Tell me about {t}, its rules and its keepers.",
+                                     temperature=0, max_output_tokens=6) for t, ins in zip(topics, instructions)]  # fmt: skip
+        assert two.responses.retrieve(last[0].id).output_text == last[0].output_text
+        hits = turns = 0
+        for turn in range(1, 3):
+            for i, previous in enumerate(last):
+                nxt = ingresses[turn % 2].responses.create(model=model, instructions=instructions[i],
+                                                           previous_response_id=previous.id, input=f"And then, part {turn}?",
+                                                           temperature=0, max_output_tokens=6)  # fmt: skip
+                assert nxt.usage.input_tokens > previous.usage.input_tokens + previous.usage.output_tokens
+                turns += 1
+                hits += nxt.usage.input_tokens_details.cached_tokens >= previous.usage.input_tokens // block * block
+                last[i] = nxt
+        assert hits / turns >= 0.99, f"continuation hit rate {hits}/{turns}"
+        holders = [rid for rid in ray.get(router.replicas.remote()) if ray.get(router.directory.remote(rid))]
+        assert len(holders) >= 2  # the conversations did spread: the hits are the router's doing
+        assert one.responses.retrieve(last[0].id).previous_response_id is not None
+        two.responses.delete(last[0].id)
         with pytest.raises(openai.NotFoundError):
-            one.responses.retrieve(first.id)
+            one.responses.retrieve(last[0].id)
     finally:
         end_serve_app(f"{name}-b")
         end_serve_app(name)
