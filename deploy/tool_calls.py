@@ -52,6 +52,23 @@ def _check_name(v: str) -> str:
     return v
 
 
+# Deeper JSON than this is refused before any recursive walk (ours, jsonschema's, the
+# grammar compiler's) could exhaust Python's stack; real tool schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 64
+
+
+def check_depth(value: Any, where: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """ValueError when ``value`` nests objects and lists deeper than ``limit`` (walked
+    without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(f"{where} nests deeper than {limit} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
 def _check_schema_node(node: Any, where: str) -> None:
     """The structural rules a JSON schema must keep for us to constrain output with it."""
     if not isinstance(node, dict):
@@ -94,6 +111,7 @@ class FunctionDefinition(BaseModel):
             return v
         if v.get("type", "object") != "object":
             raise ValueError(f"parameters must be a schema of type 'object', got type {v.get('type')!r}")
+        check_depth(v, "parameters")
         _check_schema_node(v, "parameters")
         try:
             import jsonschema

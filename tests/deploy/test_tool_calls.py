@@ -206,3 +206,26 @@ def test_forced_stream_equals_whole_parse(choice, text):
     whole = parse_forced(text, choice)
     assert content is None and [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in whole]
     assert parser.called
+
+
+def test_deeply_nested_parameters_are_refused_not_a_crash():
+    node: dict = {"type": "string"}
+    for _ in range(300):  # jsonschema's recursive check ran out of stack here: a 500
+        node = {"type": "object", "properties": {"a": node}}
+    tool = {"type": "function", "function": {"name": "deep", "parameters": node}}
+    assert "parameters nests deeper than 64 levels" in _error({"tools": [tool]})
+    ok = {"type": "string"}
+    for _ in range(20):
+        ok = {"type": "object", "properties": {"a": ok}}
+    assert _fields(tools=[{"type": "function", "function": {"name": "fine", "parameters": ok}}]).tools
+
+
+def test_forced_arguments_with_arrays_and_scalars_are_calls():
+    """Every member kind after an array: the hand-written scanner this replaced found no call."""
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}})
+    text = '{"a": [1, {"b": null}], "c": true, "d": -12.5e1, "e": "x", "f": false}'
+    [call] = parse_forced(text, named)
+    assert json.loads(call.arguments) == json.loads(text)
+    parser = ForcedToolParser(tool_choice=named)
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    assert assemble(deltas)[1][0].arguments == call.arguments
