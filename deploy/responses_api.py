@@ -95,6 +95,8 @@ class ResponsesAPI:
             raise _responses_error(exc) from None
         except ValueError as exc:  # what a backend could not serve (ARCHITECTURE.md §2)
             raise bad_request(_renamed(str(exc)) or "invalid request") from None
+        # the response echoes what it was sampled with (the model's defaults where the request gave none)
+        req = req.model_copy(update={"temperature": prepared.params[0].temperature, "top_p": prepared.params[0].top_p})
         if isinstance(answer, dict):
             response = from_chat(req, rid, prepared.model, created, answer)
             await self._save(req, response, conversation)
