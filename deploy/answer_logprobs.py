@@ -42,6 +42,12 @@ class TokenText:
         return text
 
 
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: a token named by its id, whatever its text
+    (a byte-fallback token decodes to no valid text on its own)."""
+    return f"token_id:{token_id}"
+
+
 def finite(logprob: float) -> float:
     return max(logprob, FLOOR)
 

@@ -105,6 +105,15 @@ class ChatRenderer:
             raise ValueError("messages: the chat template does not render assistant tool_calls and tool messages; "
                              "start the server with a template that does (--chat-template FILE)")  # fmt: skip
 
+    def uses(self, variable: str) -> bool:
+        """Whether the template reads ``variable`` (a name its Jinja source refers to)."""
+        if self.template is None:
+            return False
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        return variable in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(self.template))
+
     def render(
         self,
         messages: list[dict[str, Any]],
@@ -113,6 +122,7 @@ class ChatRenderer:
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         tokenize: bool = True,
+        documents: Optional[list[dict[str, str]]] = None,
     ) -> Union[str, list[int]]:
         """The prompt's token ids (or text): ``messages`` as ``template_messages`` gives
         them, ``tools`` as ``ToolFields.template_tools`` gives them, and
@@ -121,6 +131,8 @@ class ChatRenderer:
         clash = sorted(set(kwargs) & _RESERVED)
         if clash:
             raise ValueError(f"chat_template_kwargs: {clash} are set by the request itself, not by template variables")
+        if documents is not None:  # vLLM's RAG documents, a variable of templates that render them
+            kwargs["documents"] = documents
         self.check(messages, tools)
         try:
             return self._apply(messages, tools, add_generation_prompt, continue_final_message, kwargs, tokenize)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any, AsyncIterator, Callable, Optional
 
 from kvroute.deploy import responses, stream_chunks
+from kvroute.deploy.answer_logprobs import token_id_text
 from kvroute.deploy.fanout import Choice, Stream, collect, event_stream, run_choices
 from kvroute.deploy.protocol import Answer, PreparedRequest
 from kvroute.replica.outputs import TokenDelta
@@ -53,10 +54,11 @@ class ChoiceBackend(ABC):
         """Run ``request``'s choices; a JSON body, or an SSE stream that has every
         choice's first delta (``fanout.event_stream``)."""
         stream = run_choices(self, request, self.finished)
+        text_of = token_id_text if request.tokens_as_ids else self.text_of
         if not request.stream:
-            return responses.body(request, await collect(stream, self.timeout_s), self.text_of)
+            return responses.body(request, await collect(stream, self.timeout_s), text_of)
 
         def make_chunks(deltas: Stream) -> AsyncIterator[dict[str, Any]]:
-            return stream_chunks.chunks(request, deltas, self.text_of)
+            return stream_chunks.chunks(request, deltas, text_of)
 
         return await event_stream(stream, request.num_choices, make_chunks, self.timeout_s)

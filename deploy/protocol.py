@@ -11,11 +11,11 @@ live here so a bad field is a 400 naming the field, never a 500.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from kvroute.deploy.request_fields import LogitsFields, NoEffectFields, NullableModel, StructuredFields, Text
+from kvroute.deploy.request_fields import LogitsFields, NoEffectFields, NullableModel, StructuredFields, Text, VLLMFields
 from kvroute.deploy.tool_calls import ToolChatMessage, ToolFields
 from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -37,7 +37,7 @@ class StreamOptions(NullableModel):
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(NullableModel, NoEffectFields, StructuredFields, LogitsFields):
+class _SamplingFields(NullableModel, NoEffectFields, StructuredFields, LogitsFields, VLLMFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[Text] = None
@@ -60,6 +60,7 @@ class _SamplingFields(NullableModel, NoEffectFields, StructuredFields, LogitsFie
     cache_salt: Optional[Text] = Field(default=None, min_length=1, max_length=256)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    best_of: Optional[StrictInt] = None
 
     @field_validator("stop")
     @classmethod
@@ -133,7 +134,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     suffix: Optional[Text] = None
-    best_of: Optional[StrictInt] = None
     add_special_tokens: StrictBool = True
 
     @field_validator("prompt")
@@ -171,6 +171,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+def _chat_echo(v: bool) -> bool:
+    if v:
+        raise ValueError("only false is supported (vLLM's chat echo repeats the last message's text; kvroute does not)")
+    return v
+
+
 class ChatCompletionRequest(ToolFields, _SamplingFields):
     """Chat with tools (``ToolFields``: tools, tool_choice, parallel_tool_calls) and the
     conversation's tool calls and results (``ToolChatMessage``)."""
@@ -185,6 +191,9 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False  # the template adds them (vLLM's default)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's RAG documents: a template variable, for templates that render them
+    documents: Optional[list[dict[Text, Text]]] = None
+    echo: Annotated[StrictBool, AfterValidator(_chat_echo)] = False
 
     def num_logprobs(self) -> Optional[int]:
         if self.top_logprobs and not self.logprobs:
@@ -260,6 +269,10 @@ class PreparedRequest:
     echo_only: bool = False
     # stream_options.continuous_usage_stats: every streamed chunk carries usage.
     continuous_usage: bool = False
+    # vLLM's return_token_ids: the prompt's and each choice's token ids in the answer
+    return_token_ids: bool = False
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    tokens_as_ids: bool = False
 
     @property
     def path(self) -> str:

@@ -32,6 +32,21 @@ NO_EFFECT_FIELDS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
     "separate_reasoning": ((True,), "SGLang's reasoning split, which needs a reasoning parser kvroute does not run"),
     "stream_reasoning": ((True,), "SGLang's reasoning streaming, which needs a reasoning parser kvroute does not run"),
     "include_reasoning": ((True,), "vLLM's reasoning output, which needs a reasoning parser kvroute does not run"),
+    "mm_processor_kwargs": (None, "a multimodal processor's arguments; kvroute serves text-only models"),
+    "media_io_kwargs": (None, "how multimodal inputs load; kvroute serves text-only models"),
+    "guided_decoding_backend": (("xgrammar", "auto"), "kvroute's structured outputs always run xgrammar"),
+}
+
+# vLLM's fields whose effect kvroute's engine cannot give, each with why. A backend that
+# forwards the body to vLLM workers (``--workers``) passes them on: the workers honour them.
+ENGINE_REFUSED_FIELDS: dict[str, str] = {
+    "chat_template": "a template sent with a request would run as Jinja on the server, which vLLM too refuses "
+                     "unless --trust-request-chat-template; start the server with --chat-template",
+    "structural_tag": "structural tags are not implemented; use structured_outputs, response_format or tools",
+    "guided_whitespace_pattern": "xgrammar takes no whitespace pattern",
+    "kv_transfer_params": "kvroute runs no disaggregated prefill and decode",
+    "vllm_xargs": "kvroute runs no request extensions",
+    "logits_processors": "kvroute loads no custom logits processors",
 }
 
 
@@ -100,6 +115,41 @@ class NoEffectFields(BaseModel):
     separate_reasoning: Annotated[StrictBool, _only("separate_reasoning")] = True
     stream_reasoning: Annotated[StrictBool, _only("stream_reasoning")] = True
     include_reasoning: Annotated[StrictBool, _only("include_reasoning")] = True
+    mm_processor_kwargs: Annotated[Optional[dict[str, Any]], _only("mm_processor_kwargs")] = None
+    media_io_kwargs: Annotated[Optional[dict[str, Any]], _only("media_io_kwargs")] = None
+    guided_decoding_backend: Annotated[Optional[str], _only("guided_decoding_backend")] = None
+
+
+class VLLMFields(BaseModel):
+    """vLLM's own request fields: ``request_id`` names the answer (``chatcmpl-<id>``,
+    ``cmpl-<id>``, as vLLM names it), ``return_token_ids`` adds the prompt's and each
+    choice's token ids to the answer, ``return_tokens_as_token_ids`` names logprobs'
+    tokens ``token_id:<id>``; the ``ENGINE_REFUSED_FIELDS`` are taken for a backend that
+    forwards them (``engine_refusal``)."""
+
+    request_id: Optional[Text] = Field(default=None, min_length=1, max_length=256)
+    return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False
+    chat_template: Optional[Any] = None
+    structural_tag: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.isprintable():
+            raise ValueError("must be printable text (it names the answer and its engine requests)")
+        return v
+
+    def engine_refusal(self) -> Optional[tuple[str, str]]:
+        """(field, message) for the first field set that only a forwarding backend takes."""
+        for name, reason in ENGINE_REFUSED_FIELDS.items():
+            if getattr(self, name) is not None:
+                return name, f"{name}: not supported ({reason})"
+        return None
 
 
 class StructuredFields(BaseModel):

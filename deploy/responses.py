@@ -86,6 +86,9 @@ def completion_choice(req: PreparedRequest, c: Choice, text_of: TokenText) -> di
     }
     if req.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(req.prompts[c.prompt_index], c.prompt_logprobs, text_of)
+    if req.return_token_ids:  # vLLM: per choice, its prompt's ids and its own
+        out["prompt_token_ids"] = req.prompts[c.prompt_index]
+        out["token_ids"] = [] if req.echo_only else c.token_ids
     return out
 
 
@@ -106,6 +109,10 @@ def chat_body(req: PreparedRequest, choices: list[Choice], text_of: TokenText) -
     out: dict[str, Any] = {**head, "choices": [chat_choice(req, c, text_of) for c in choices], "usage": usage(choices)}
     if req.prompt_logprobs is not None:  # one prompt: vLLM reports it once, beside the choices
         out["prompt_logprobs"] = prompt_logprobs(req.prompts[0], choices[0].prompt_logprobs if choices else None, text_of)
+    if req.return_token_ids:  # vLLM: the prompt's ids beside the choices, each choice's own
+        out["prompt_token_ids"] = req.prompts[0]
+        for item, c in zip(out["choices"], choices):
+            item["token_ids"] = c.token_ids
     return out
 
 

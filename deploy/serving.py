@@ -238,8 +238,7 @@ class OpenAIServing:
         ``logprobs`` count, or ``prompt_logprobs`` when larger); echo with ``max_tokens``
         0 runs one token, which the answer drops (``echo_only``)."""
         lora = await self.check_model(req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
+        self._check_vllm_fields(req)
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(
@@ -255,11 +254,12 @@ class OpenAIServing:
         prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_logprobs else req.prompt_logprobs
         params = self._params_per_choice(req, token_lists, max_tokens, req.logprobs, structured_output=structured,
                                          prompt_logprobs=prompt_logprobs)  # fmt: skip
-        return PreparedRequest(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
+        return PreparedRequest(chat=False, request_id=f"cmpl-{req.request_id or uuid.uuid4().hex}", model=lora or self.model_name,
                                prompts=token_lists, params=params, lora_name=lora, cache_salt=req.cache_salt,
                                stream=req.stream, include_usage=req.include_usage, logprobs=req.logprobs, echo=echo,
                                body=body, prompt_logprobs=req.prompt_logprobs, echo_logprobs=echo_logprobs,
-                               echo_only=req.echo_only, continuous_usage=req.continuous_usage)  # fmt: skip
+                               echo_only=req.echo_only, continuous_usage=req.continuous_usage,
+                               return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)  # fmt: skip
 
     def _prompt_ids(self, prompts: list[Union[str, list[int]]], req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (text or ids, checked by pydantic; truncated as
@@ -277,6 +277,7 @@ class OpenAIServing:
         a named function, the structured output that forces the call (which excludes a
         ``response_format``); the plan goes to the backend, which reads the calls back."""
         lora = await self.check_model(req.model)
+        self._check_vllm_fields(req)
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
         try:
@@ -298,27 +299,40 @@ class OpenAIServing:
         params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens",
                                          structured_output=structured, prompt_logprobs=req.prompt_logprobs,
                                          skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens)  # fmt: skip
-        return PreparedRequest(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=lora or self.model_name,
+        return PreparedRequest(chat=True, request_id=f"chatcmpl-{req.request_id or uuid.uuid4().hex}", model=lora or self.model_name,
                                prompts=[ids], params=params, lora_name=lora, cache_salt=req.cache_salt,
                                stream=req.stream, include_usage=req.include_usage, logprobs=num_logprobs, echo=[""],
                                body=body, tools=plan if plan.choice != "none" else None,
-                               prompt_logprobs=req.prompt_logprobs, continuous_usage=req.continuous_usage)  # fmt: skip
+                               prompt_logprobs=req.prompt_logprobs, continuous_usage=req.continuous_usage,
+                               return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)  # fmt: skip
 
     # ------------------------------------------------------------------ validation
+    def _check_vllm_fields(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+        """``best_of`` equal to ``n`` at most; the fields only vLLM workers honour are a
+        400 unless the backend forwards the body to them."""
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
+        refused = None if getattr(self.backend, "forwards_body", False) else req.engine_refusal()
+        if refused is not None:
+            raise bad_request(refused[1], param=refused[0])
+
     def _chat_ids(self, req: Union[ChatCompletionRequest, TokenizeRequest], tools: Optional[list[dict[str, Any]]]) -> list[int]:
         """The templated conversation's token ids (``chat_template_kwargs`` as template
         variables; ``add_special_tokens`` also adds the tokenizer's own, as vLLM does),
         truncated as ``truncate_prompt_tokens`` asks."""
         kwargs = getattr(req, "chat_template_kwargs", None)
+        documents = getattr(req, "documents", None)
+        if documents is not None and not self.renderer.uses("documents"):
+            raise bad_request("documents: the chat template does not render documents", param="documents")
         try:
             messages = template_messages(req.messages or [])
             if req.add_special_tokens and isinstance(req, ChatCompletionRequest):
                 text = self.renderer.render(messages, tools, req.add_generation_prompt, req.continue_final_message,
-                                            kwargs, tokenize=False)  # fmt: skip
+                                            kwargs, tokenize=False, documents=documents)  # fmt: skip
                 ids = self.tokenizer.encode(text, add_special_tokens=True)
             else:
                 ids = self.renderer.render(messages, tools, req.add_generation_prompt,
-                                           getattr(req, "continue_final_message", False), kwargs)  # fmt: skip
+                                           getattr(req, "continue_final_message", False), kwargs, documents=documents)  # fmt: skip
         except ValueError as exc:
             raise bad_request(str(exc), param=field_of(str(exc), "messages")) from None
         except (TypeError, TemplateError) as exc:  # what the tokenizer could not take; say so, not its internals

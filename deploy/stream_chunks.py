@@ -12,6 +12,8 @@
   plan's: "tool_calls" once the choice called one) on the last.
 - vLLM's ``prompt_logprobs`` are not streamed (the ingress refuses them with
   ``stream`` unless 0), as vLLM does.
+- ``return_token_ids`` (vLLM's): each chunk carries the token ids it adds, and the
+  prompt's ids come with the first chunk (chat) or each choice's first (completions).
 - ``continuous_usage``: every chunk carries its choice's usage so far (vLLM's
   continuous_usage_stats); with ``include_usage`` a last chunk with no choices carries
   the whole answer's usage.
@@ -51,6 +53,10 @@ async def completion_chunks(req: PreparedRequest, stream: Stream, text_of: Token
         first = choice.index not in choices
         choices[choice.index] = choice
         item = _completion_item(req, choice, delta, first, offsets, text_of)
+        if req.return_token_ids:  # vLLM: each chunk's new ids, the prompt's with a choice's first
+            item["token_ids"] = [] if req.echo_only else list(delta.token_ids)
+            if first:
+                item["prompt_token_ids"] = req.prompts[choice.prompt_index]
         chunk = {**head, "choices": [item]}
         if req.continuous_usage:
             chunk["usage"] = running_usage(choice.num_prompt_tokens, 0 if req.echo_only else len(choice.token_ids))
@@ -92,6 +98,8 @@ async def chat_chunks(req: PreparedRequest, stream: Stream, text_of: TokenText) 
                                      "finish_reason": None}]}  # fmt: skip
         if req.continuous_usage:
             role["usage"] = running_usage(num_prompt, 0)
+        if req.return_token_ids:  # vLLM: the prompt's ids in the first chunk
+            role["prompt_token_ids"] = req.prompts[0]
         yield role
     parsers = {i: req.tools.new_parser() if req.tools is not None else None for i in range(n)}
     choices: dict[int, Choice] = {}
@@ -100,7 +108,9 @@ async def chat_chunks(req: PreparedRequest, stream: Stream, text_of: TokenText) 
         lp = None
         if req.logprobs is not None and delta.logprobs:
             lp = {"content": chat_logprobs(delta.logprobs, text_of)}
-        for chunk in _chat_delta_chunks(req, head, choice, delta, lp, parsers[choice.index]):
+        for k, chunk in enumerate(_chat_delta_chunks(req, head, choice, delta, lp, parsers[choice.index])):
+            if req.return_token_ids:  # the engine delta's ids ride on the first of its chunks
+                chunk["choices"][0]["token_ids"] = list(delta.token_ids) if k == 0 else []
             if req.continuous_usage:
                 chunk["usage"] = running_usage(choice.num_prompt_tokens, len(choice.token_ids))
             yield chunk

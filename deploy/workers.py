@@ -49,6 +49,8 @@ class WorkersBackend:
     forwards a prepared request whole (module docstring); ``accuracy`` (``/metrics``'
     decision quality) counts what the workers report cached."""
 
+    forwards_body = True  # vLLM's fields that only the workers honour pass through to them
+
     def __init__(self, pool: Any, router_actors: list[Any], hash_spec: HashSpec, request_timeout_s: Optional[float],
                  accuracy: Any = None) -> None:  # fmt: skip
         self.pool = pool

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from kvroute import __version__  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.request_fields import NO_EFFECT_FIELDS  # noqa: E402
+from kvroute.deploy.request_fields import ENGINE_REFUSED_FIELDS, NO_EFFECT_FIELDS  # noqa: E402
 from kvroute.deploy.serving import ServerLimits  # noqa: E402
 from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
@@ -201,7 +201,8 @@ def test_unknown_fields_are_400s_and_the_no_effect_list_is_accepted(client, http
     err = _error(http, "/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True, "extra": 1},
                                                 "stream": True})  # fmt: skip
     assert err["param"] == "stream_options.extra"
-    defaults = {k: (v[0][0] if v[0] else "someone") for k, v in NO_EFFECT_FIELDS.items() if k != "metadata"}
+    samples = {"mm_processor_kwargs": {"num_crops": 4}, "media_io_kwargs": {"video": {"num_frames": 8}}}
+    defaults = {k: samples.get(k, v[0][0] if v[0] else "someone") for k, v in NO_EFFECT_FIELDS.items() if k != "metadata"}
     assert _complete(http, **defaults, metadata={"team": "a"})["choices"][0]["text"] == _complete(http)["choices"][0]["text"]
     err = _error(http, "/v1/completions", {"prompt": "x", "use_beam_search": True})
     assert err["param"] == "use_beam_search" and "beam search" in err["message"]
@@ -235,3 +236,75 @@ def test_serve_config_checks_the_tool_flags():
     ingress = parse_args({**base, "ingress": {"chat_template": "chatml_tools", "tool_call_parser": "hermes",
                                               "enable_auto_tool_choice": True}}).ingress  # fmt: skip
     assert "<tool_call>" in ingress.tool_config().chat_template
+
+
+# ---------------------------------------------------------------------- vLLM's own fields
+def _sse(http, route: str, body: dict) -> list[dict]:
+    with http.stream("POST", route, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+
+def test_request_id_names_the_answer(client, http):
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body={"request_id": "trace-7"})
+    assert chat.id == "chatcmpl-trace-7"
+    assert _complete(http, request_id="job 12/a")["id"] == "cmpl-job 12/a"
+    assert {c["id"] for c in _sse(http, "/v1/completions", {"prompt": "x", "max_tokens": 2, "request_id": "s-1"})} == {"cmpl-s-1"}
+    for bad in ("", "a\nb", "x" * 257):
+        assert _error(http, "/v1/completions", {"prompt": "x", "request_id": bad})["param"] == "request_id"
+
+
+def test_return_token_ids_whole_and_streamed(http):
+    body = {"messages": USER, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    prompt = http.post("/tokenize", json={"messages": USER}).json()["tokens"]
+    [choice] = whole["choices"]
+    assert whole["prompt_token_ids"] == prompt and len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 6
+    assert http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["message"]["content"]
+    chunks = _sse(http, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == choice["token_ids"]
+    done = _complete(http, prompt=["The archive holds", "Two"], return_token_ids=True)
+    assert [c["prompt_token_ids"] for c in done["choices"]] == [http.post("/tokenize", json={"prompt": p}).json()["tokens"]
+                                                               for p in ("The archive holds", "Two")]  # fmt: skip
+    assert all(len(c["token_ids"]) == 6 for c in done["choices"])
+    assert "token_ids" not in _complete(http)["choices"][0]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens(http):
+    chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+                                                   "return_tokens_as_token_ids": True, "return_token_ids": True}).json()  # fmt: skip
+    [choice] = chat["choices"]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in choice["logprobs"]["content"] for t in e["top_logprobs"])
+    done = _complete(http, logprobs=1, return_tokens_as_token_ids=True, return_token_ids=True)["choices"][0]
+    assert done["logprobs"]["tokens"] == [f"token_id:{t}" for t in done["token_ids"]]
+
+
+def test_vllm_fields_the_engine_cannot_honour_are_400s_naming_them(http):
+    values = {"chat_template": "{{ messages }}", "structural_tag": "{}", "guided_whitespace_pattern": " ",
+              "kv_transfer_params": {"do_remote_prefill": True}, "vllm_xargs": {"k": 1}, "logits_processors": ["m.P"]}  # fmt: skip
+    assert set(values) == set(ENGINE_REFUSED_FIELDS)
+    for field, value in values.items():
+        err = _error(http, "/v1/chat/completions", {"messages": USER, field: value})
+        assert err["param"] == field and "not supported" in err["message"], err
+    err = _error(http, "/v1/chat/completions", {"messages": USER, "echo": True})
+    assert err["param"] == "echo"
+    assert _error(http, "/v1/chat/completions", {"messages": USER, "best_of": 2})["param"] == "best_of"
+    assert _error(http, "/v1/chat/completions", {"messages": USER, "guided_decoding_backend": "outlines"})["param"] == "guided_decoding_backend"
+    ok = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "echo": False, "best_of": 1,
+                                                 "guided_decoding_backend": "xgrammar", "mm_processor_kwargs": {}})  # fmt: skip
+    assert ok.status_code == 200, ok.text
+
+
+def test_documents_reach_a_template_that_renders_them(http, smollm2_tokenizer):
+    from kvroute.deploy.chat_template import ChatRenderer
+
+    err = _error(http, "/v1/chat/completions", {"messages": USER, "documents": [{"title": "a", "text": "b"}]})
+    assert err["param"] == "documents" and "does not render documents" in err["message"]
+    rag = ("{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+           "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")  # fmt: skip
+    renderer = ChatRenderer(smollm2_tokenizer, rag)
+    assert renderer.uses("documents") and not ChatRenderer(smollm2_tokenizer, "{{ messages }}").uses("documents")
+    text = renderer.render(USER, documents=[{"title": "Doc", "text": "body"}], tokenize=False)
+    assert text.startswith("[Doc: body]<user>Pick one.")
