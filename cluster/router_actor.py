@@ -407,14 +407,15 @@ def get_or_create_router_actor(config: ClusterConfig) -> ray.actor.ActorHandle:
 
 def kill_router_actors(app_name: str) -> int:
     """Kill every detached actor of application ``app_name``, of every generation
-    (routers, worker pool, LoRA registry, and the registry's saved state); how many
-    there were."""
+    (routers, worker pool, LoRA registry, and the registry's saved state, the Responses
+    API's store); how many there were."""
     from kvroute.cluster.lora import kill_lora_registry
+    from kvroute.cluster.response_store_actor import kill_response_store
     from kvroute.cluster.saved_state import delete_saved
 
     prefixes = tuple(f"kvroute-{role}:{app_name}@" for role in ("router", "workers"))
     names = _named_actors(lambda n: n.startswith(prefixes))
-    killed = sum(kill_router_actor(n) for n in names) + kill_lora_registry(app_name)
+    killed = sum(kill_router_actor(n) for n in names) + kill_lora_registry(app_name) + kill_response_store(app_name)
     for name in names:  # a pool's saved worker list (cluster/worker_pool.py)
         if name.startswith(prefixes[1]):
             delete_saved(f"worker-pool:{name}")

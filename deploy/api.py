@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 from typing import Any, Awaitable, Callable, Optional
@@ -54,7 +55,7 @@ def build_api(
 
     @app.get("/health")
     async def health() -> Response:
-        state = await serving.backend.health()
+        state = {**await serving.backend.health(), "auth": "api_key" if serving.limits.api_key else "none"}
         if state["ready"]:
             return JSONResponse({"status": "ok", **state})
         if state.get("refused_replicas"):
@@ -70,6 +71,23 @@ def build_api(
         extra_routes(app)
     app.add_middleware(_Guard, api_key=serving.limits.api_key, max_body_bytes=serving.limits.max_body_bytes)
     return app
+
+
+def warn_if_open(api_key: Optional[str], host: Optional[str]) -> bool:
+    """Log a WARNING when ``/v1`` is served without an API key on an address other
+    machines may reach (anything but loopback; an unknown address counts as reachable);
+    whether it warned. ``/health`` shows ``"auth": "none"`` then too."""
+    if api_key:
+        return False
+    if host is not None:
+        try:
+            if host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback:
+                return False
+        except ValueError:
+            pass  # a host name: it may resolve to any interface
+    log.warning("serving /v1 WITHOUT an API key on %s: anyone who reaches it can use the model; set --api-key, "
+                "KVROUTE_API_KEY or ingress.api_key", host or "an address this process cannot tell")
+    return True
 
 
 def _error_handlers(app: FastAPI) -> None:

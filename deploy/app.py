@@ -30,7 +30,7 @@ from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_cre
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.cluster.worker_pool import get_or_create_worker_pool
 from kvroute.cluster.worker_probe import check_specs, cluster_nodes
-from kvroute.deploy.api import build_api
+from kvroute.deploy.api import build_api, warn_if_open
 from kvroute.deploy.app_config import AppArgs, ingress_limits, parse_args
 from kvroute.deploy.app_metrics import IngressReporter, router_metrics
 from kvroute.deploy.choices import ChoiceBackend
@@ -119,6 +119,17 @@ class IngressParts:
 
 
 @serve.ingress()
+def _serve_http_host() -> Optional[str]:
+    """The address Serve's proxies listen on (None where it cannot be read: Serve keeps it
+    in its controller, behind a client that is not public API)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 - only the warning's wording depends on it
+        return None
+
+
 class OpenAIIngress:
     """The HTTP ingress of both modes: the OpenAI API over the mode's backend (an engine
     deployment's handle, or the external workers' pool), ``/metrics`` of the whole
@@ -134,6 +145,7 @@ class OpenAIIngress:
             actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
         self.accuracy = DecisionQuality()
         limits = ingress_limits(parsed)
+        warn_if_open(limits.api_key, _serve_http_host())
         if parsed.workers is None:
             self.parts = _cluster_parts(parsed, config, engine_handle, self.router_actors, self.accuracy, tokenizer, limits)
         else:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI
 
-from kvroute.deploy.api import build_api
+from kvroute.deploy.api import build_api, warn_if_open
 from kvroute.deploy.choices import ChoiceBackend
 from kvroute.deploy.generation_defaults import GenerationDefaults
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
@@ -138,4 +138,5 @@ def serve_replica(config: EngineConfig, host: str, port: int, limits: ServerLimi
     import uvicorn
 
     app, _ = build_replica_server(config, limits, served_model_name, kv_events, tool_config)
+    warn_if_open(limits.api_key, host)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -233,7 +233,8 @@ def test_chat_logprobs_and_n(client):
 def test_models_health_tokenize(http, offline):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
-    assert http.get("/health").status_code == 200
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["auth"] == "none"  # this server runs without a key
     tok = http.post("/tokenize", json={"prompt": "Hello there"}).json()
     assert tok["tokens"] == offline.tokenizer.encode("Hello there") and tok["count"] == len(tok["tokens"])
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello there"
@@ -389,6 +390,7 @@ def test_api_key(tiny_llama_path, monkeypatch):
             assert resp.json()["error"]["type"] == "authentication_error"
         assert c.get("/v1/models").status_code == 401
         assert c.get("/health").status_code == 200  # probes and scrapers need no key
+        assert c.get("/health").json()["auth"] == "api_key"
         assert c.get("/metrics").status_code == 200
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
@@ -488,3 +490,15 @@ def test_an_emulated_replica_is_named_after_its_profile(tiny_llama_path):
         assert httpx.get(url + "/get_model_info").json()["emulated_profile"] == "gpu_h100_llama3_8b"
         r = httpx.post(url + "/v1/completions", json={"model": str(tiny_llama_path), "prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_serving_without_a_key_off_loopback_warns(caplog):
+    from kvroute.deploy.api import warn_if_open
+
+    with caplog.at_level("WARNING", logger="kvroute.deploy.api"):
+        assert [warn_if_open(None, h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2")] == [False] * 5
+        assert not caplog.records
+        assert warn_if_open(None, "0.0.0.0") and warn_if_open(None, "10.1.2.3") and warn_if_open(None, "node-a")
+        assert warn_if_open(None, None)  # the address is unknown: reachable, for all it can tell
+        assert not warn_if_open("k", "0.0.0.0")
+    assert len(caplog.records) == 4 and "WITHOUT an API key on 0.0.0.0" in caplog.records[0].getMessage()
