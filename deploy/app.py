@@ -118,7 +118,6 @@ class IngressParts:
     keepalive: Optional[Callable[[], Any]] = None
 
 
-@serve.ingress()
 def _serve_http_host() -> Optional[str]:
     """The address Serve's proxies listen on (None where it cannot be read: Serve keeps it
     in its controller, behind a client that is not public API)."""
@@ -130,6 +129,7 @@ def _serve_http_host() -> Optional[str]:
         return None
 
 
+@serve.ingress()
 class OpenAIIngress:
     """The HTTP ingress of both modes: the OpenAI API over the mode's backend (an engine
     deployment's handle, or the external workers' pool), ``/metrics`` of the whole
