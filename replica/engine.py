@@ -349,7 +349,7 @@ class Engine:
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> TokenDelta:
         p = req.params
         req.append_token(token)
-        grammar = None if req.constraints is None else req.constraints.accept(token)
+        grammar = None if req.constraints is None else req.constraints.accept(token, req.output_token_ids)
         first = req.first_token_time is None
         if first:
             req.first_token_time = time.monotonic()

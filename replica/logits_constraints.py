@@ -13,6 +13,11 @@ waits in the queue until its compile is done (the scheduler skips it; the rest o
 batch runs), then its matcher is made and replays the output tokens it already has (a
 request resumed from another replica). The matcher lives on the request, so preemption
 and recompute keep its state: tokens are accepted once, when sampled.
+
+A grammar may start late (``SamplingParams.structured_output_after``, a reasoning model's
+``</think>``): until the output holds that token sequence the matcher neither fills its
+row nor takes tokens; the token that completes the sequence turns it on, and the next
+token is the grammar's first. A replay starts the matcher after the sequence too.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ class RequestConstraints:
         self.allowed = allowed  # int32 bitmask row of allowed_token_ids (None: all)
         self.bad_words = bad_words
         self.bias = tuple(params.logit_bias)
+        self.after = params.structured_output_after
+        self.grammar_on = not self.after  # False until the output holds ``after``
+
+    def _turns_on(self, output: Sequence[int]) -> bool:
+        """Whether ``output`` ends with the sequence the grammar starts after."""
+        n = len(self.after)
+        return len(output) >= n and tuple(output[len(output) - n :]) == self.after
 
     @property
     def ready(self) -> bool:
@@ -86,15 +98,26 @@ class RequestConstraints:
         except ValueError as e:
             return str(e)
         self.matcher = xgr.GrammarMatcher(compiled)
-        for i, t in enumerate(output_token_ids):
+        first = 0
+        if self.after:  # the grammar takes the tokens after the sequence, if it came yet
+            self.grammar_on = False
+            for i in range(len(output_token_ids)):
+                if self._turns_on(output_token_ids[: i + 1]):
+                    self.grammar_on, first = True, i + 1
+                    break
+        for i, t in enumerate(output_token_ids[first:] if self.grammar_on else (), start=first):
             if not self.matcher.accept_token(int(t)):
                 return f"output token {i} (id {t}) does not match the {self.params.structured_output.kind}"
         return None
 
-    def accept(self, token: int) -> str | None:
+    def accept(self, token: int, output: Sequence[int] = ()) -> str | None:
         """Advance the matcher by a sampled token: "stop" when the grammar is complete,
-        an error when the token does not fit, None otherwise (or without a grammar)."""
+        an error when the token does not fit, None otherwise (or without a grammar).
+        ``output``: the output tokens, ``token`` the last, for a grammar that starts late."""
         if self.matcher is None:
+            return None
+        if not self.grammar_on:
+            self.grammar_on = self._turns_on(output)
             return None
         if not self.matcher.accept_token(int(token)):
             log.error("sampled token %d rejected by the grammar", token)
@@ -103,7 +126,7 @@ class RequestConstraints:
 
     def fill(self, bitmask: torch.Tensor, index: int, output: Sequence[int]) -> None:
         """Row ``index`` of ``bitmask`` (all ones before): this request's allowed tokens."""
-        if self.matcher is not None and not self.matcher.is_terminated():
+        if self.matcher is not None and self.grammar_on and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, index)
         if self.allowed is not None:
             bitmask[index] &= self.allowed
@@ -209,7 +232,8 @@ class EngineConstraints:
         p = params
         if p.structured_output is None and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words:
             return None
-        for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids or ()),
+                          ("structured_output_after", p.structured_output_after)):  # fmt: skip
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}); got {bad[:5]}")

@@ -33,6 +33,11 @@ class SamplingParams:
     one of these words: the last token of a word's token sequence is blocked when the
     output ends with the rest of it). Token ids are checked against the model's
     vocabulary when the engine takes the request.
+
+    ``structured_output_after``: the grammar starts once the output holds this token
+    sequence (a reasoning model's ``</think>``): the tokens up to its end are sampled
+    without the grammar, the ones after it match the grammar from its start. Empty:
+    the grammar applies from the first token. The other constraints apply throughout.
     """
 
     n: int = 1
@@ -57,6 +62,7 @@ class SamplingParams:
     logit_bias: Any = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_output_after: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +141,8 @@ class SamplingParams:
         if not all(isinstance(w, str) and w.strip() for w in words):
             raise ValueError(f"bad_words must be non-blank strings, got {list(words)!r}")
         object.__setattr__(self, "bad_words", words)
+        after = tuple(_token_id(t, "structured_output_after") for t in self.structured_output_after)
+        object.__setattr__(self, "structured_output_after", after)
 
     @property
     def constrained(self) -> bool:
