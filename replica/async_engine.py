@@ -12,6 +12,8 @@ from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 from kvroute.replica.block_hash import BlockHash, HashSpec
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine
+from kvroute.replica.kv_payload import KVPayload
+from kvroute.replica.kv_transfer import ImportResult
 from kvroute.replica.kv_events import LoadFigures
 from kvroute.replica.outputs import RequestId, TokenDelta
 from kvroute.replica.request import Request
@@ -19,6 +21,7 @@ from kvroute.replica.request_metrics import EngineMetrics
 from kvroute.replica.sampling_params import SamplingParams
 
 T = TypeVar("T")
+_BACKGROUND: set[asyncio.Future] = set()  # transfers settling after their caller left
 
 
 class AsyncEngine:
@@ -121,7 +124,7 @@ class AsyncEngine:
         def read() -> dict:
             stats = dataclasses.asdict(self.engine.stats(with_ref_counts=False))
             stats.pop("block_ref_counts")
-            return {"engine": stats, **self.metrics.report()}
+            return {"engine": stats, **self.metrics.report(), "kv_transfer": self.engine.kv_transfer.metrics.report()}
 
         return await self.between_steps(read)
 
@@ -198,6 +201,63 @@ class AsyncEngine:
     async def find_lora(self, name: str) -> bool:
         """Whether adapter ``name`` is loaded (this host loads nothing on demand)."""
         return name in self.engine.list_loras()
+
+    # ------------------------------------------------------------------ KV transfer
+    async def export_blocks(self, token_ids: Sequence[int] | None = None, **kwargs: Any) -> KVPayload:
+        """``Engine.export_blocks`` without holding up the step loop: the blocks are
+        referenced between steps, copied in a worker thread while steps go on (no step
+        writes a referenced cached block), and released between steps once the copy has
+        ended, also when the caller gives up first (the release then follows the copy)."""
+        xfer = self.engine.kv_transfer
+        on_device = kwargs.pop("on_device", False)
+        lease = await self.between_steps(lambda: xfer.lease(token_ids, **kwargs))
+        return await self._beside_steps(lambda: xfer.copy(lease, on_device), lambda _: xfer.release(lease))
+
+    async def import_blocks(self, payload: KVPayload) -> ImportResult:
+        """``Engine.import_blocks`` without holding up the step loop: checked and reserved
+        between steps (ValueError, nothing changed, when refused), written in a worker
+        thread into blocks only the import holds, then committed between steps, or
+        released uncached if the write fails or the caller gives up before it ends.
+        The routers hear of the new blocks at once."""
+        xfer = self.engine.kv_transfer
+        res = await self.between_steps(lambda: xfer.reserve(payload))
+
+        def settle(failed: bool) -> ImportResult | None:
+            if failed:
+                xfer.abort(res)
+                return None
+            result = xfer.commit(res)
+            self._publish(self.engine.events())
+            return result
+
+        return await self._beside_steps(lambda: xfer.write(res), settle)  # type: ignore[return-value]
+
+    async def _beside_steps(self, work: Callable[[], T], settle: Callable[[bool], Any]) -> Any:
+        """``work()`` in a worker thread while steps run, then ``settle(failed)`` between
+        steps, which runs even if the caller is cancelled (after ``work`` has ended: it
+        may still be reading or writing blocks); ``failed``: ``work`` raised or the
+        caller gave up (a pull past its deadline imports nothing). Returns ``work()``'s result, or
+        ``settle(False)``'s where that is not None."""
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        gave_up: list[bool] = []
+        done = asyncio.ensure_future(self._settle_after(task, settle, gave_up))
+        _BACKGROUND.add(done)  # the loop holds tasks weakly: this one must outlive a cancelled caller
+        done.add_done_callback(_BACKGROUND.discard)
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            gave_up.append(True)
+            raise
+        except BaseException:
+            await asyncio.shield(done)
+            raise
+        settled = await asyncio.shield(done)
+        return result if settled is None else settled
+
+    async def _settle_after(self, task: asyncio.Future, settle: Callable[[bool], Any], gave_up: list[bool]) -> Any:
+        await asyncio.wait({task})
+        failed = bool(gave_up) or task.cancelled() or task.exception() is not None
+        return await self.between_steps(lambda: settle(failed))
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.append(RequestId(request_id))

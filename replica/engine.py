@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from kvroute.replica.sampling_params import SampleRequest, SamplingParams
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
+    from kvroute.replica.kv_payload import KVPayload
+    from kvroute.replica.kv_transfer import ImportResult, KVTransfer
     from kvroute.replica.logits_constraints import EngineConstraints
     from kvroute.replica.lora.slots import AdapterSlots
 
@@ -436,3 +439,29 @@ class Engine:
         if self.lora is not None:
             self.lora.evict_all()
         return True
+
+    # ------------------------------------------------------------------ KV transfer
+    @functools.cached_property
+    def kv_transfer(self) -> KVTransfer:
+        """Export and import of runs of cached KV blocks (``replica/kv_transfer.py``);
+        its ``lease``/``copy``/``release`` and ``reserve``/``write``/``commit`` phases let
+        a host copy beside its steps (``AsyncEngine``)."""
+        from kvroute.replica.kv_transfer import KVTransfer
+
+        return KVTransfer(self)
+
+    def export_blocks(self, token_ids: Sequence[int] | None = None, **kwargs: Any) -> KVPayload:
+        """Every layer's K/V of the longest cached run of ``token_ids``'s full blocks (or
+        of ``block_hashes=``), with the header an importer checks; call between steps.
+        Keywords: ``block_hashes``, ``cache_salt``, ``lora_name``, ``max_blocks``, ``on_device``."""
+        return self.kv_transfer.export(token_ids, **kwargs)
+
+    def import_blocks(self, payload: KVPayload) -> ImportResult:
+        """Cache ``payload``'s blocks here as prefix-cache blocks (ValueError, nothing
+        imported, when its header or hashes do not match this engine); between steps."""
+        return self.kv_transfer.import_(payload)
+
+    def note_lora_served(self, name: str) -> None:
+        """KV of adapter ``name`` is cached here: loading another adapter under this name
+        must drop the prefix cache first (``register_lora``)."""
+        self._lora_served.add(name)
