@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.kv_pull import PULL_TIMEOUT_S, PullResult, export_payload, pull_prefix
 from kvroute.cluster.lora import ReplicaAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
@@ -32,6 +33,7 @@ from kvroute.router.types import RouteDecision, RouteOutcome
 
 if TYPE_CHECKING:  # torch stays out of the processes that only hold a handle (the ingress)
     from kvroute.replica.async_engine import AsyncEngine
+    from kvroute.replica.kv_payload import KVPayload
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +215,31 @@ class EngineReplica:
         snapshot or from the ``cleared`` flag of the next event batch."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         return {"replica_id": self.replica_id, "reset": await self.engine.reset_prefix_cache()}
+
+    async def export_kv(
+        self, call: ReplicaCall, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None,
+        max_blocks: int | None = None,
+    ) -> "KVPayload":
+        """The KV of the longest run of ``token_ids``'s full blocks this replica caches, as
+        one payload (``cluster/kv_pull.py``; its ``nbytes`` is what crosses the object store)."""
+        assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
+        return await export_payload(self.engine, token_ids, cache_salt, lora_name, max_blocks)
+
+    async def pull_kv(
+        self, call: ReplicaCall, source_replica_id: str, token_ids: list[int], cache_salt: str | None = None,
+        lora_name: str | None = None, timeout_s: float = PULL_TIMEOUT_S,
+    ) -> PullResult:
+        """Pull the prefix ``token_ids`` from replica ``source_replica_id`` (its
+        ``export_kv``, addressed through this application's handle) into this replica's
+        cache within ``timeout_s``; a ``PullResult`` with a fallback when the caller must
+        recompute (nothing imported then)."""
+        assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
+        if lora_name is not None and self.adapters is not None:
+            await self.adapters.ensure(lora_name)  # its KV is refused where the adapter is not loaded
+        handle = serve.get_deployment_handle(self.config.deployment_name, self.config.app_name)
+        source = ReplicaCall(source_replica_id)
+        return await pull_prefix(self.engine, lambda: handle.export_kv.remote(source, token_ids, cache_salt, lora_name),
+                                 timeout_s)  # fmt: skip
 
     async def check_health(self) -> None:
         if self.engine.failure is not None:

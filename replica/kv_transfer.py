@@ -185,7 +185,7 @@ class KVTransfer:
             host = torch.empty(shape, dtype=cache.dtype)
             for i, block in enumerate(lease.blocks):
                 host[i].copy_(cache[:, :, block.block_id])
-        kv = host.view(torch.uint8).reshape(n, -1).numpy()
+        kv = host.view(torch.uint8).reshape(n, self.identity.block_bytes).numpy()
         return KVPayload(lease.header, kv, kv.nbytes)
 
     def release(self, lease: ExportLease) -> None:
