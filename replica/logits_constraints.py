@@ -170,7 +170,13 @@ class StepMask:
             # xgrammar reads bitmask row ``i`` for logits row ``i``: scatter the compact rows
             full = torch.full((out.shape[0], self.bitmask.shape[1]), -1, dtype=torch.int32)
             full[self.indices] = self.bitmask
-            xgr.apply_token_bitmask_inplace(out, full, indices=self.indices.tolist(), backend="cpu")
+            vocab = out.shape[1]
+            # Its kernel writes -inf past the last id when the vocabulary ends inside a
+            # 32-bit word (a heap overflow): give it rows padded to whole words.
+            target = out if vocab % 32 == 0 else torch.cat([out, out.new_empty(out.shape[0], -vocab % 32)], dim=1)
+            xgr.apply_token_bitmask_inplace(target, full, indices=self.indices.tolist(), backend="cpu")
+            if target is not out:
+                out.copy_(target[:, :vocab])
         else:
             apply_token_bitmask_reference_(out, self.bitmask, self.indices)
         return out

@@ -84,3 +84,25 @@ def test_the_marker_ids_are_checked(llm):
         SamplingParams(structured_output_after=(-1,))
     with pytest.raises(ValueError, match="structured_output_after token ids must be in"):
         llm.engine.make_request("big", [1, 2], _params(structured_output_after=(10**7,)))
+
+
+def test_the_cpu_mask_writes_nothing_past_a_vocabulary_that_ends_inside_a_word():
+    """A tokenizer with added tokens (49154 ids here) ends inside a 32-bit mask word, and
+    a row whose grammar has not started allows every id: xgrammar's CPU kernel wrote
+    -inf one past the last id, corrupting the heap, until the rows were padded."""
+    import torch
+
+    from kvroute.replica.logits_constraints import StepMask, _bits
+
+    vocab = 49154
+    base = torch.zeros(1, vocab + 32)  # the logits, then a guard the kernel must not touch
+    logits = base[:, :vocab]
+    row = _bits(range(vocab), vocab).unsqueeze(0)  # the last word allows ids 49152 and 49153 only
+    empty = torch.zeros(0, dtype=torch.long)
+    mask = StepMask(row, torch.tensor([0]), empty, empty, torch.zeros(0))
+    out = mask.apply(logits, inplace=True)
+    assert out.data_ptr() == logits.data_ptr() and torch.isfinite(out).all()
+    assert (base[:, vocab:] == 0).all()
+    row[0, 0] = 0  # ids 0..31 masked: -inf there, and still nothing past the end
+    out = mask.apply(logits, inplace=True)
+    assert torch.isinf(out[0, :32]).all() and torch.isfinite(out[0, 32:]).all() and (base[:, vocab:] == 0).all()
