@@ -118,7 +118,8 @@ class IngressSpec(ServerLimits):
     """The HTTP ingress deployment: its request limits (``ServerLimits``' fields), its
     own replicas, and the chat template and tool-call settings vLLM takes as
     ``--chat-template`` (the template's text, a file on the ingress's node, or a shipped
-    template's name), ``--tool-call-parser`` and ``--enable-auto-tool-choice``."""
+    template's name), ``--tool-call-parser``, ``--enable-auto-tool-choice`` and
+    ``--reasoning-parser``."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
@@ -132,16 +133,18 @@ class IngressSpec(ServerLimits):
     chat_template: Optional[str] = Field(default=None, min_length=1)
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
+    reasoning_parser: Optional[str] = None
 
     @model_validator(mode="after")
     def _tool_flags(self) -> "IngressSpec":
         """The parser and auto choice agree (the template is read where the ingress runs)."""
-        ToolServingConfig(None, self.tool_call_parser, self.enable_auto_tool_choice)
+        ToolServingConfig(None, self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
         return self
 
     def tool_config(self) -> ToolServingConfig:
         """The ingress's tool settings (ValueError naming the bad one)."""
-        return ToolServingConfig.from_flags(self.chat_template, self.tool_call_parser, self.enable_auto_tool_choice)
+        return ToolServingConfig.from_flags(self.chat_template, self.tool_call_parser, self.enable_auto_tool_choice,
+                                            self.reasoning_parser)  # fmt: skip
 
 
 def ingress_limits(parsed: "AppArgs") -> ServerLimits:

@@ -254,7 +254,7 @@ def _tool_ingress_args(args: argparse.Namespace) -> dict:
 
     config = tool_config_from_args(args)  # checks the flags here, before anything starts
     return {"chat_template": config.chat_template, "tool_call_parser": config.tool_call_parser,
-            "enable_auto_tool_choice": config.enable_auto_tool_choice}  # fmt: skip
+            "enable_auto_tool_choice": config.enable_auto_tool_choice, "reasoning_parser": config.reasoning_parser}  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ The translation:
   (the prefix cache holds every prompt's blocks without being asked;
   ``cache_read_input_tokens`` reports what it served).
 - Refused with a 400 naming the block: image and document blocks (the served models
-  read text), thinking blocks (no reasoning parser runs), and Anthropic's server tools.
+  read text), thinking blocks (the Messages API does not carry
+  reasoning yet; the chat path does), and Anthropic's server tools.
 
 Errors are Anthropic's envelope, ``{"type": "error", "error": {"type", "message"}}``,
 with the chat path's status (``MessagesError``).
@@ -190,8 +191,8 @@ _TAKES = {"system": ("text",), "message": ("text", "tool_use", "tool_result"), "
 _WHY = {
     "image": "the served model reads text only",
     "document": "the served model reads text only",
-    "thinking": "kvroute runs no reasoning parser",
-    "redacted_thinking": "kvroute runs no reasoning parser",
+    "thinking": "the Messages API does not carry reasoning (the chat API does, with --reasoning-parser)",
+    "redacted_thinking": "the Messages API does not carry reasoning (the chat API does, with --reasoning-parser)",
 }
 
 

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kvroute.deploy.reasoning import ReasoningFields
 from kvroute.deploy.request_fields import LogitsFields, NoEffectFields, NullableModel, StructuredFields, Text, VLLMFields
 from kvroute.deploy.tool_calls import ToolChatMessage, ToolFields
 from kvroute.replica.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
+    from kvroute.deploy.reasoning import ReasoningPlan
     from kvroute.deploy.tool_serving import ToolPlan
 
 MAX_STOP_SEQUENCES = 16
@@ -177,9 +179,10 @@ def _chat_echo(v: bool) -> bool:
     return v
 
 
-class ChatCompletionRequest(ToolFields, _SamplingFields):
-    """Chat with tools (``ToolFields``: tools, tool_choice, parallel_tool_calls) and the
-    conversation's tool calls and results (``ToolChatMessage``)."""
+class ChatCompletionRequest(ReasoningFields, ToolFields, _SamplingFields):
+    """Chat with tools (``ToolFields``: tools, tool_choice, parallel_tool_calls), the
+    conversation's tool calls and results (``ToolChatMessage``), and reasoning
+    (``ReasoningFields``, whose switches replace the no-effect fields of the same names)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -258,6 +261,9 @@ class PreparedRequest:
     # Tool calling (chat): how each choice's text reads back as content and tool_calls;
     # None when the request needs no tool handling (no tools, or tool_choice none).
     tools: Optional["ToolPlan"] = None
+    # Reasoning (chat, a server with --reasoning-parser): how each choice's text splits
+    # into reasoning and content; None: no reasoning parser runs.
+    reasoning: Optional["ReasoningPlan"] = None
     # vLLM's prompt_logprobs: each choice of the answer carries a prompt_logprobs list
     # (None: not asked for). The engine's params carry the same number.
     prompt_logprobs: Optional[int] = None

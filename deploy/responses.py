@@ -117,15 +117,17 @@ def chat_body(req: PreparedRequest, choices: list[Choice], text_of: TokenText) -
 
 
 def chat_choice(req: PreparedRequest, c: Choice, text_of: TokenText) -> dict[str, Any]:
-    """One finished chat choice; with a tool plan its text reads back as content and
-    ``tool_calls``, and a choice that called a tool finishes with "tool_calls"."""
+    """One finished chat choice; with a reasoning plan its ``reasoning`` is split out
+    first; with a tool plan the content reads back as content and ``tool_calls``, and
+    a choice that called a tool finishes with "tool_calls"."""
     plan = req.tools
-    if plan is None:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        finish = c.finish_reason
+    if req.reasoning is not None:
+        message: dict[str, Any] = req.reasoning.message(c.text, plan)
+    elif plan is None:
+        message = {"role": "assistant", "content": c.text}
     else:
         message = plan.message(c.text)
-        finish = plan.finish_reason(c.finish_reason, "tool_calls" in message)
+    finish = c.finish_reason if plan is None else plan.finish_reason(c.finish_reason, "tool_calls" in message)
     return {
         "index": c.index,
         "message": message,

@@ -39,6 +39,7 @@ from kvroute.deploy.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvroute.deploy.reasoning import ReasoningServing
 from kvroute.deploy.request_fields import field_of
 from kvroute.deploy.tool_calls import template_messages
 from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
@@ -116,6 +117,7 @@ class OpenAIServing:
         self.adapters = adapters
         self.tool_config = tool_config
         self.renderer = ChatRenderer(tokenizer, tool_config.chat_template)
+        self.reasoning = ReasoningServing(tool_config.reasoning_parser, tokenizer, self.renderer.template)
         self.check_structured = StructuredOutputCheck(tokenizer, vocab_size, limits.structured_output_timeout_s)
         self.model_name = model_name
         self.model_names = (model_name, *served_model_aliases)
@@ -284,12 +286,13 @@ class OpenAIServing:
             plan = plan_tools(self.tool_config, req)
         except ValueError as exc:
             raise bad_request(str(exc), param=field_of(str(exc), "tool_choice")) from None
+        # A forced call makes this turn's output the call: a response_format (checked all the
+        # same) governs the content answers of turns that do not force one, as OpenAI takes it.
         requested = await self._structured_output(req)
-        if plan.forced and requested is not None:
-            raise bad_request(f"{requested.field}: cannot be combined with tool_choice {req.choice_label()}, which "
-                              "constrains the output to the tool call", param=requested.field)  # fmt: skip
-        structured = requested if requested is not None else await self.check_structured(plan.structured_output())
+        structured = await self.check_structured(plan.structured_output()) if plan.forced else requested
+        req = self.reasoning.with_effort(req)  # reasoning_effort: a template variable
         ids = await asyncio.to_thread(self._chat_ids, req, plan.tools)
+        reasoning = self.reasoning.plan(req, ids, plan.forced)  # (deploy/reasoning.py)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else self.generation_defaults.max_tokens(max(1, self.max_model_len - len(ids)))
         try:
@@ -298,13 +301,16 @@ class OpenAIServing:
             raise bad_request(str(exc), param="top_logprobs") from None
         params = self._params_per_choice(req, [ids], max_tokens, num_logprobs, "max_completion_tokens",
                                          structured_output=structured, prompt_logprobs=req.prompt_logprobs,
-                                         skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens)  # fmt: skip
+                                         skip_special_tokens=req.skip_special_tokens and not plan.keep_special_tokens
+                                         and not self.reasoning.keep_special_tokens,
+                                         **self.reasoning.sampling(reasoning, structured))  # fmt: skip
         return PreparedRequest(chat=True, request_id=f"chatcmpl-{req.request_id or uuid.uuid4().hex}", model=lora or self.model_name,
                                prompts=[ids], params=params, lora_name=lora, cache_salt=req.cache_salt,
                                stream=req.stream, include_usage=req.include_usage, logprobs=num_logprobs, echo=[""],
                                body=body, tools=plan if plan.choice != "none" else None,
                                prompt_logprobs=req.prompt_logprobs, continuous_usage=req.continuous_usage,
-                               return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)  # fmt: skip
+                               return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
+                               reasoning=reasoning)  # fmt: skip
 
     # ------------------------------------------------------------------ validation
     def _check_vllm_fields(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> None:

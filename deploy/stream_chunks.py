@@ -10,6 +10,9 @@
   parser sends (content, a call's id and name, argument fragments) is a chunk; the
   engine delta's logprobs ride on the first of its chunks, the finish reason (the
   plan's: "tool_calls" once the choice called one) on the last.
+- Reasoning (a server with ``--reasoning-parser``): each choice's text goes first
+  through its ``ReasoningStream``; its reasoning goes out as ``delta.reasoning``, the
+  rest on as above (content, or the tool parser's deltas).
 - vLLM's ``prompt_logprobs`` are not streamed (the ingress refuses them with
   ``stream`` unless 0), as vLLM does.
 - ``return_token_ids`` (vLLM's): each chunk carries the token ids it adds, and the
@@ -102,13 +105,15 @@ async def chat_chunks(req: PreparedRequest, stream: Stream, text_of: TokenText) 
             role["prompt_token_ids"] = req.prompts[0]
         yield role
     parsers = {i: req.tools.new_parser() if req.tools is not None else None for i in range(n)}
+    reasoners = {i: req.reasoning.new_stream() if req.reasoning is not None else None for i in range(n)}
     choices: dict[int, Choice] = {}
     async for choice, delta in stream:
         choices[choice.index] = choice
         lp = None
         if req.logprobs is not None and delta.logprobs:
             lp = {"content": chat_logprobs(delta.logprobs, text_of)}
-        for k, chunk in enumerate(_chat_delta_chunks(req, head, choice, delta, lp, parsers[choice.index])):
+        for k, chunk in enumerate(_chat_delta_chunks(req, head, choice, delta, lp, parsers[choice.index],
+                                                     reasoners[choice.index])):  # fmt: skip
             if req.return_token_ids:  # the engine delta's ids ride on the first of its chunks
                 chunk["choices"][0]["token_ids"] = list(delta.token_ids) if k == 0 else []
             if req.continuous_usage:
@@ -120,15 +125,25 @@ async def chat_chunks(req: PreparedRequest, stream: Stream, text_of: TokenText) 
 
 def _chat_delta_chunks(
     req: PreparedRequest, head: dict[str, Any], choice: Choice, delta: TokenDelta,
-    lp: Optional[dict[str, Any]], parser: Any,
+    lp: Optional[dict[str, Any]], parser: Any, reasoner: Any = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The chunks one engine delta of a chat choice makes."""
-    if parser is None:  # the text is the content
+    """The chunks one engine delta of a chat choice makes: with a reasoning plan its
+    ``reasoning`` first (``reasoner``, the choice's ``ReasoningStream``), then the
+    content, through the tool parser when there is one."""
+    finished = delta.finish_reason is not None
+    if parser is None and req.reasoning is None:  # the text is the content
         body: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return [_chat_chunk(head, choice.index, body, lp, delta.finish_reason, delta.stop_reason)]
-    finished = delta.finish_reason is not None
-    deltas = parser.feed(delta.text) + (parser.finish() if finished else [])
-    finish = req.tools.finish_reason(delta.finish_reason, parser.called) if finished else None
+    text, deltas = delta.text, []
+    if req.reasoning is not None:
+        thought, text = req.reasoning.feed(reasoner, delta.text, finished)
+        deltas = [{"reasoning": thought}] if thought else []
+    if parser is None:
+        deltas += [{"content": text}] if text else []
+        finish = delta.finish_reason
+    else:
+        deltas += parser.feed(text) + (parser.finish() if finished else [])
+        finish = req.tools.finish_reason(delta.finish_reason, parser.called) if finished else None
     if not deltas and (finished or lp is not None):
         deltas = [{}]  # nothing to send yet, but the finish reason or the logprobs must go out
     out = []

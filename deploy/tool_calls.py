@@ -236,7 +236,9 @@ class TextPart(BaseModel):
 
 class ToolChatMessage(BaseModel):
     """A conversation turn, tool fields included: ``tool_calls`` on an assistant turn,
-    ``tool_call_id`` (and optionally ``name``) on a ``tool`` turn."""
+    ``tool_call_id`` (and optionally ``name``) on a ``tool`` turn. An assistant turn's
+    reasoning comes as ``reasoning`` (vLLM 0.32's name) or ``reasoning_content`` (the
+    older one); ``reasoning`` wins where both are given."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -245,6 +247,8 @@ class ToolChatMessage(BaseModel):
     name: Optional[Text] = None
     tool_calls: Optional[list[AssistantToolCall]] = None
     tool_call_id: Optional[Text] = Field(default=None, min_length=1)
+    reasoning: Optional[Text] = None
+    reasoning_content: Optional[Text] = None
 
     @model_validator(mode="after")
     def _role_fields(self) -> "ToolChatMessage":
@@ -279,7 +283,9 @@ def template_messages(messages: list[ToolChatMessage]) -> list[dict[str, Any]]:
     """The conversation as chat templates take it: text content, ``developer`` as a
     system turn, tool-call arguments parsed to dicts (as vLLM passes them to Hugging Face
     templates, which expect dicts), and each ``tool`` message's ``name`` filled in from
-    the call it answers when the client left it out (templates that print it need it)."""
+    the call it answers when the client left it out (templates that print it need it),
+    and a turn's reasoning under both ``reasoning`` and ``reasoning_content`` (as vLLM
+    passes it: Qwen3's and DeepSeek-R1's templates read ``reasoning_content``)."""
     check_tool_history(messages)
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
@@ -298,6 +304,9 @@ def template_messages(messages: list[ToolChatMessage]) -> list[dict[str, Any]]:
                 turn["name"] = name
         elif m.name is not None:
             turn["name"] = m.name
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            turn["reasoning"] = turn["reasoning_content"] = reasoning
         out.append(turn)
     return out
 

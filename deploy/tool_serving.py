@@ -1,5 +1,6 @@
 """Tool calling as a front end uses it: the server's settings (``--chat-template``,
-``--enable-auto-tool-choice``, ``--tool-call-parser``, as vLLM spells them) and, per
+``--enable-auto-tool-choice``, ``--tool-call-parser``, and ``--reasoning-parser``, which
+``deploy/reasoning.py`` applies; as vLLM spells them) and, per
 request, a ``ToolPlan``: what the template renders, what constrains the output, and what
 reads the output back as content and tool calls.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvroute.deploy.chat_template import load_chat_template
+from kvroute.deploy.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from kvroute.deploy.tool_calls import ToolCall, ToolChoice, ToolFields, finish_reason
 from kvroute.deploy.tool_forcing import ForcedToolParser, forced_tool_schema
 from kvroute.deploy.tool_parsers import TOOL_PARSERS, get_tool_parser, resolve_tool_choice
@@ -31,8 +33,11 @@ class ToolServingConfig:
     chat_template: Optional[str] = None  # the template's text (load_chat_template), None: the tokenizer's
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
+    reasoning_parser: Optional[str] = None  # reasoning_parsers.REASONING_PARSERS (None: the output is all content)
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)
         if self.enable_auto_tool_choice and not self.tool_call_parser:
@@ -40,10 +45,10 @@ class ToolServingConfig:
 
     @classmethod
     def from_flags(cls, chat_template: Optional[str] = None, tool_call_parser: Optional[str] = None,
-                   enable_auto_tool_choice: bool = False) -> "ToolServingConfig":  # fmt: skip
+                   enable_auto_tool_choice: bool = False, reasoning_parser: Optional[str] = None) -> "ToolServingConfig":  # fmt: skip
         """From the flags' values (``chat_template`` as ``--chat-template`` takes it)."""
         text = load_chat_template(chat_template) if chat_template else None
-        return cls(text, tool_call_parser, enable_auto_tool_choice)
+        return cls(text, tool_call_parser, enable_auto_tool_choice, reasoning_parser)
 
 
 def add_tool_args(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +60,15 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
                         help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls appear in the model's output (hermes: Qwen2.5/Qwen3 and chatml_tools)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> out of the output into the message's `reasoning` (qwen3: "
+                             "when the output opens <think>; deepseek_r1: the template opened it), and start a "
+                             "structured output or forced tool call after </think>")
 
 
 def tool_config_from_args(args: argparse.Namespace) -> ToolServingConfig:
-    return ToolServingConfig.from_flags(args.chat_template, args.tool_call_parser, args.enable_auto_tool_choice)
+    return ToolServingConfig.from_flags(args.chat_template, args.tool_call_parser, args.enable_auto_tool_choice,
+                                        args.reasoning_parser)  # fmt: skip
 
 
 @dataclass(frozen=True)
