@@ -372,11 +372,6 @@ def test_agents_sdk_chat_completions_forced_function_tool(server, wire):
     assert path == "/v1/chat/completions" and _forced_tool(body, "plan_trip")["properties"]["cities"]["type"] == "array"
 
 
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError, reason="kvroute bug: a forced tool_choice together with response_format / text.format is "
-                   "a 400 ('cannot be combined with tool_choice function ...', deploy/serving.py prepare_chat); OpenAI accepts "
-                   "it and vLLM drops the format for a forced call (ToolParser.adjust_request: the call is the whole "
-                   "reply, the format only applies to a text one), and the Agents "
-                   "SDK sends exactly that on the first turn of an agent with output_type and a forced tool")  # fmt: skip
 @pytest.mark.parametrize("kind", KINDS)
 def test_agents_sdk_forced_tool_then_output_type(server, wire, kind):
     """The SDK's pattern for "call this tool, then answer in this shape": turn 1 forces the
