@@ -144,8 +144,8 @@ def _chat_delta_chunks(
     else:
         deltas += parser.feed(text) + (parser.finish() if finished else [])
         finish = req.tools.finish_reason(delta.finish_reason, parser.called) if finished else None
-    if not deltas and (finished or lp is not None):
-        deltas = [{}]  # nothing to send yet, but the finish reason or the logprobs must go out
+    if not deltas and (finished or lp is not None or req.return_token_ids):
+        deltas = [{}]  # nothing to send yet, but the finish reason, logprobs or token ids must go out
     out = []
     for k, d in enumerate(deltas):
         last = k == len(deltas) - 1

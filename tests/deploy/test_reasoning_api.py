@@ -235,3 +235,19 @@ def test_without_a_parser_the_switches_take_only_true(think_path):
                        tool_config=ToolServingConfig(chat_template(True, False), reasoning_parser="deepseek_r1"))
     prepared = asyncio.run(r1.prepare_chat(ChatCompletionRequest(messages=ASK, response_format={"type": "json_object"}), b""))
     assert prepared.params[0].structured_output_after == (tokenizer.convert_tokens_to_ids("</think>"),)
+
+
+def test_streamed_token_ids_include_the_markers_the_parser_holds(clients, tok):
+    """The <think> a qwen3 output opens with makes no text of its own; its id still
+    streams (return_token_ids), so the streamed ids equal the whole answer's."""
+    client = clients["qwen3"]
+    start = tok.convert_tokens_to_ids("<think>")
+    kw = dict(messages=ASK, max_tokens=6, temperature=0.0, extra_body={"logit_bias": {str(start): 100.0},
+                                                                       "return_token_ids": True})  # fmt: skip
+    whole = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    assert whole.token_ids[0] == start
+    ids = []
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if chunk.choices:
+            ids += getattr(chunk.choices[0], "token_ids", None) or []
+    assert ids == whole.token_ids
