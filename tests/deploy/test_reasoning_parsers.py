@@ -156,3 +156,18 @@ def test_the_flag_reaches_serve_replica_serve_and_the_serve_config():
     assert parse_args({**base, "ingress": {"reasoning_parser": "qwen3"}}).ingress.tool_config().reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="ingress: .*unknown parser 'o1'"):
         parse_args({**base, "ingress": {"reasoning_parser": "o1"}})
+
+
+def test_tool_calls_are_read_from_the_content_after_the_reasoning():
+    from kvroute.deploy.tool_calls import ToolFields
+    from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
+    from tests.deploy.tool_defs import WEATHER
+
+    tools = plan_tools(ToolServingConfig(tool_call_parser="hermes", enable_auto_tool_choice=True), ToolFields(tools=[WEATHER]))
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}</tool_call>'
+    msg = ReasoningPlan(R1).message(f"I should call it.</think>{call}", tools)
+    assert msg["reasoning"] == "I should call it." and msg["content"] is None
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
+    # a call the model only thinks about is reasoning, not a call
+    msg = ReasoningPlan(R1).message(f"maybe {call}?</think>It is sunny.", tools)
+    assert "tool_calls" not in msg and msg["content"] == "It is sunny." and call in msg["reasoning"]
