@@ -34,10 +34,19 @@ class KVIdentity:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block's K and V over every layer (0 for an emulated engine)."""
+        return 2 * self.layout[0] * self.row_bytes if self.layout else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one block's K (or V) in one layer (0 for an emulated engine)."""
         if not self.layout:
             return 0
-        layers, heads, dim = self.layout
-        return layers * 2 * self.block_size * heads * dim * _ELEMENT_BYTES[self.dtype]
+        _, heads, dim = self.layout
+        return self.block_size * heads * dim * _ELEMENT_BYTES[self.dtype]
+
+    def host_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """A payload's host KV shape: ``[layers * 2, num_blocks, row_bytes]`` (uint8)."""
+        return (2 * self.layout[0], num_blocks, self.row_bytes)
 
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -67,12 +76,15 @@ class KVHeader:
 
 @dataclass(frozen=True)
 class KVPayload:
-    """A header and its blocks' KV. ``kv`` is, per block in header order, every layer's
-    K then V: a host ``numpy.uint8`` array ``[num_blocks, block_bytes]`` (what crosses
-    Ray's object store without a copy on read), a device tensor ``[num_blocks, layers,
-    2, block_size, kv_heads, head_dim]`` (an export asked to stay on its CUDA device, for
-    a device-to-device transport), or None from an emulated engine. ``nbytes``: the KV's
-    size (an emulated payload's is what its profile's model would move)."""
+    """A header and its blocks' KV, layer-major as the KV cache holds it (layer 0's K, its
+    V, layer 1's K, ...; in each, the blocks in header order): a host ``numpy.uint8``
+    array ``[layers * 2, num_blocks, row_bytes]`` (what crosses Ray's object store without
+    a copy on read), a device tensor ``[layers * 2, num_blocks, block_size * kv_heads *
+    head_dim]`` in the cache's dtype (an export asked to stay on its CUDA device, for a
+    device-to-device transport), or None from an emulated engine. Layer-major because a
+    gather along the cache's block axis is one fast copy, and a transport may stream it
+    layer by layer. ``nbytes``: the KV's size (an emulated payload's is what its
+    profile's model would move)."""
 
     header: KVHeader
     kv: Any

@@ -17,7 +17,7 @@ from ray import serve  # noqa: E402
 
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
-from kvroute.cluster.messages import ROUTER_NAMESPACE, OverloadedError, ReplicaUnavailableError  # noqa: E402
+from kvroute.cluster.messages import ROUTER_NAMESPACE, OverloadedError, ReplicaCall, ReplicaUnavailableError  # noqa: E402
 from kvroute.cluster.replica_deployment import build_engine_deployment  # noqa: E402
 from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
 from kvroute.replica.block_hash import hash_blocks  # noqa: E402
@@ -164,6 +164,28 @@ def test_cancelled_stream_frees_its_blocks(app):
     states = _settle(router, config)
     for s in states.values():
         assert s["blocks_in_use"] == 0 and s["num_running"] == 0, s
+
+
+def test_a_replica_pulls_a_prefix_from_the_replica_holding_it(app):
+    """``EngineReplica.pull_kv`` fetches the holder's ``export_kv`` through the
+    application's handle: the destination then caches the prefix and the routers hear of
+    it; a source that is no replica is a fallback."""
+    config, router = app
+    client = _client(config)
+    prompt = list(range(20000, 20160))  # 20 blocks of 8
+    asyncio.run(client.complete(prompt, GREEDY))
+    states = _settle(router, config)
+    hashes = set(hash_blocks(config.hash_spec, prompt))
+    (src,) = [rid for rid, s in states.items() if hashes <= set(s["cached_block_hashes"])]
+    (dst,) = [rid for rid in states if rid != src]
+    handle = serve.get_deployment_handle(config.deployment_name, app_name=config.app_name)
+    result = handle.pull_kv.remote(ReplicaCall(dst), src, prompt).result(timeout_s=60)
+    assert result.ok and (result.blocks, result.tokens) == (20, 160) and result.nbytes > 0, result
+    missing = handle.pull_kv.remote(ReplicaCall(dst), "no-such-replica", prompt).result(timeout_s=60)
+    assert missing.fallback == "source_failed", missing
+    states = _settle(router, config)  # the directory holds the pulled blocks at dst too
+    assert hashes <= set(states[dst]["cached_block_hashes"]) and states[dst]["blocks_in_use"] == 0
+    assert states[src]["blocks_in_use"] == 0
 
 
 def test_bad_request_is_a_value_error_and_harms_nothing(app):

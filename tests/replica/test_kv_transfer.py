@@ -63,7 +63,8 @@ def test_imported_prefix_is_hit_and_answers_as_an_undisturbed_run(a_b, prompt):
     assert h.token_ids == tuple(tuple(prompt[i * BS : (i + 1) * BS]) for i in range(12))
     arch = a.engine.arch
     block_bytes = arch.num_layers * 2 * BS * arch.num_kv_heads * arch.head_dim * 4
-    assert payload.kv.shape == (12, block_bytes) and payload.nbytes == 12 * block_bytes
+    layers = 2 * arch.num_layers
+    assert payload.kv.shape == (layers, 12, block_bytes // layers) and payload.nbytes == 12 * block_bytes
     assert_no_leak(a)  # released after the copy
 
     result = b.engine.import_blocks(payload)
@@ -157,23 +158,22 @@ def test_an_import_failing_halfway_leaves_nothing(a_b, prompt):
     engine_greedy(a, [prompt], 1)
     payload = a.engine.export_blocks(prompt)
     xfer = b.engine.kv_transfer
-    real, written = xfer._write_block, []
+    targets = []
 
-    def failing(block_id, kv):  # the copy breaks after five blocks
-        if len(written) == 5:
-            raise RuntimeError("copy failed")
-        written.append(block_id)
-        real(block_id, kv)
+    def failing(block_ids, kv):  # the copy breaks after the first layer's K and V
+        targets[:] = block_ids.tolist()
+        xfer._rows()[:2].index_copy_(1, block_ids, kv[:2])
+        raise RuntimeError("copy failed")
 
-    xfer._write_block = failing
+    xfer._write_rows = failing
     try:
         with pytest.raises(RuntimeError, match="copy failed"):
             b.engine.import_blocks(payload)
     finally:
-        del xfer._write_block
-    assert len(written) == 5 and not _cached(b, payload.header.block_hashes)
+        del xfer._write_rows
+    assert len(targets) == 12 and not _cached(b, payload.header.block_hashes)
     assert_no_leak(b)
-    assert b.engine.kv.pool.free_block_ids()[:5] == written  # uncached: reused first
+    assert sorted(b.engine.kv.pool.free_block_ids()[:12]) == sorted(targets)  # uncached: reused first
 
 
 def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
@@ -181,7 +181,7 @@ def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
     src, dst = AsyncEngine(a.engine), AsyncEngine(b.engine)
     other = [t + 1 for t in prompt]
     xfer = b.engine.kv_transfer
-    real = xfer._write_block
+    real = xfer._write_rows
     gate = threading.Event()
     before = xfer.metrics.imported_blocks
 
@@ -194,7 +194,7 @@ def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
         await first
         async for _ in busy:
             pass
-        xfer._write_block = lambda block_id, kv: (gate.wait(5), real(block_id, kv))
+        xfer._write_rows = lambda ids, kv: (gate.wait(5), real(ids, kv))
         task = asyncio.ensure_future(dst.import_blocks(payload))
         await asyncio.sleep(0.2)
         task.cancel()  # the caller gives up while the write is under way
@@ -203,7 +203,7 @@ def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
         gate.set()
         await asyncio.sleep(0.3)  # the write ends, then the import is released uncached
         assert not _cached(b, payload.header.block_hashes)
-        del xfer._write_block
+        del xfer._write_rows
         result = await dst.import_blocks(payload)
         assert result.imported == 12
         deltas = [d async for d in dst.generate(prompt, greedy(NEW))]
