@@ -176,6 +176,13 @@ def test_an_import_failing_halfway_leaves_nothing(a_b, prompt):
     assert sorted(b.engine.kv.pool.free_block_ids()[:12]) == sorted(targets)  # uncached: reused first
 
 
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
     a, b = a_b
     src, dst = AsyncEngine(a.engine), AsyncEngine(b.engine)
@@ -195,13 +202,14 @@ def test_async_transfer_beside_steps_and_a_cancelled_import(a_b, prompt):
         async for _ in busy:
             pass
         xfer._write_rows = lambda ids, kv: (gate.wait(5), real(ids, kv))
+        pool = b.engine.kv.pool
         task = asyncio.ensure_future(dst.import_blocks(payload))
-        await asyncio.sleep(0.2)
-        task.cancel()  # the caller gives up while the write is under way
+        await _until(lambda: pool.num_free_blocks < pool.num_blocks)  # reserved, the write under way
+        task.cancel()  # the caller gives up
         with pytest.raises(asyncio.CancelledError):
             await task
         gate.set()
-        await asyncio.sleep(0.3)  # the write ends, then the import is released uncached
+        await _until(lambda: pool.num_free_blocks == pool.num_blocks)  # the write ends, then the release
         assert not _cached(b, payload.header.block_hashes)
         del xfer._write_rows
         result = await dst.import_blocks(payload)
