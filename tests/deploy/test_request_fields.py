@@ -126,9 +126,16 @@ def test_tools_and_tool_history_reach_the_template(client, http):
     ]  # fmt: skip
     after = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=1, temperature=0)
     assert after.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    # a forced call is the turn's output; a response_format beside it is still checked (as OpenAI takes both)
+    forced = http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER], "tool_choice": "required",
+                                                     "parallel_tool_calls": False, "max_tokens": 300, "temperature": 0,
+                                                     "response_format": {"type": "json_object"}}).json()  # fmt: skip
+    [call] = forced["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     err = _error(http, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "tool_choice": "required",
-                                                "response_format": {"type": "json_object"}})  # fmt: skip
-    assert err["param"] == "response_format"
+                                                "response_format": bad_format})  # fmt: skip
+    assert err["param"].startswith("response_format")
     err = _error(http, "/v1/chat/completions", {"messages": history[:1] + history[2:], "tools": [WEATHER]})
     assert "tool_call_id" in err["param"]
 
