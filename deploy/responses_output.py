@@ -2,7 +2,8 @@
 output items, usage and status (pure shaping; ``responses_stream`` builds the streamed
 events from the same pieces).
 
-A chat message becomes output items in OpenAI's order: a ``message`` item with one
+A chat message becomes output items in OpenAI's order: a ``reasoning`` item where a
+reasoning parser split reasoning out (its text as one ``reasoning_text`` part), a ``message`` item with one
 ``output_text`` part for its content (left out when the model only called functions),
 then one ``function_call`` item per tool call (``call_id`` the call's id, ``arguments``
 its JSON text). A choice cut off by ``max_output_tokens`` makes the response
@@ -45,7 +46,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": req.text_format()},
@@ -78,6 +79,12 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [text_part(text)] if status != "in_progress" else []}  # fmt: skip
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The reasoning a reasoning parser split out, as its text (no summary, nothing encrypted)."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "encrypted_content": None,
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}  # fmt: skip
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -91,7 +98,7 @@ def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
     """A whole chat message's output items."""
     calls = message.get("tool_calls") or []
     content = message.get("content")
-    items = []
+    items = [reasoning_item(new_id("rs"), message["reasoning"], status)] if message.get("reasoning") else []
     if content or not calls:
         items.append(message_item(new_id("msg"), content or "", status))
     for call in calls:
@@ -131,6 +138,8 @@ def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item["type"] == "function_call":
             out.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
                         "arguments": item["arguments"]})  # fmt: skip
+        elif item["type"] == "reasoning":
+            out.append({"type": "reasoning", "text": "".join(p["text"] for p in item["content"])})
     return out
 
 

@@ -10,7 +10,9 @@ which is also what a stored response keeps for a later ``previous_response_id``:
 - ``{"type": "message", "role", "content": text}`` (roles user, system, developer,
   assistant; content parts joined),
 - ``{"type": "function_call", "call_id", "name", "arguments"}``,
-- ``{"type": "function_call_output", "call_id", "output": text}``.
+- ``{"type": "function_call_output", "call_id", "output": text}``,
+- ``{"type": "reasoning", "text": text}`` (an assistant turn's reasoning, which the
+  template renders where it renders past reasoning).
 
 ``chat_body`` renders it as chat messages: ``instructions`` as a first system message
 (not carried over to a continuation, as OpenAI does), an assistant message followed by
@@ -100,8 +102,51 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningPart(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(_Strict):
+    """An assistant turn's reasoning, replayed from an earlier response (its ``content``,
+    else its ``summary``): the chat path gives it to the template as the turn's reasoning."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: Optional[list[ReasoningPart]] = None
+    encrypted_content: Optional[Text] = None
+    id: Optional[Text] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _plain(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            raise ValueError("kvroute returns its reasoning as text and reads no encrypted reasoning")
+        return v
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content if self.content else self.summary))
+
+
 _ITEMS: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                      "function_call_output": FunctionCallOutputItem}  # fmt: skip
+                                      "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}  # fmt: skip
+
+
+class ReasoningConfig(_Strict):
+    """``reasoning``: ``effort`` becomes the chat path's ``reasoning_effort`` (a template
+    variable); summaries are not written (the reasoning item carries the reasoning text)."""
+
+    effort: Optional[Literal["low", "medium", "high"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+    @model_validator(mode="after")
+    def _no_summary(self) -> "ReasoningConfig":
+        if self.summary is not None or self.generate_summary is not None:
+            raise ValueError("reasoning.summary: kvroute writes no reasoning summaries; with a reasoning parser the "
+                             "reasoning item carries the reasoning text itself")  # fmt: skip
+        return self
 
 
 class FunctionTool(_Strict):
@@ -195,6 +240,7 @@ class ResponsesRequest(NullableModel):
     user: Optional[Text] = None
     include: Optional[list[Text]] = Field(default=None, max_length=0)  # nothing extra to include
     truncation: Literal["disabled"] = "disabled"
+    reasoning: Optional[ReasoningConfig] = None
 
     _items: list[BaseModel] = PrivateAttr(default_factory=list)
 
@@ -229,6 +275,8 @@ class ResponsesRequest(NullableModel):
                 out.append({"type": "message", "role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 out.append({"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
+            elif isinstance(item, ReasoningItem):
+                out.append({"type": "reasoning", "text": item.text()})
             else:
                 assert isinstance(item, FunctionCallOutputItem)
                 out.append({"type": "function_call_output", "call_id": item.call_id, "output": item.text()})
@@ -277,12 +325,16 @@ def chat_body(req: ResponsesRequest, previous: list[dict[str, Any]], items: list
     for i, item in enumerate(previous + items):
         where = f"input[{i - len(previous)}]"
         kind = item["type"]
-        if kind == "message":
+        last = messages[-1] if messages else None
+        if kind == "message" and item["role"] == "assistant" and _reasoning_only(last):
+            last["content"] = item["content"]  # the text that followed the reasoning: one turn
+        elif kind == "message":
             messages.append({"role": item["role"], "content": item["content"]})
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": "", "reasoning": item["text"]})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the text before the calls, or a call before
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -299,8 +351,15 @@ def chat_body(req: ResponsesRequest, previous: list[dict[str, Any]], items: list
     fields = {"model": req.model, "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
               "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.chat_tool_choice(),
               "tools": [t.chat_tool() for t in req.tools] if req.tools else None,
-              "response_format": (req.text or TextConfig()).format.response_format()}  # fmt: skip
+              "response_format": (req.text or TextConfig()).format.response_format(),
+              "reasoning_effort": req.reasoning.effort if req.reasoning else None}  # fmt: skip
     body.update({k: v for k, v in fields.items() if v is not None})
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+def _reasoning_only(message: Optional[dict[str, Any]]) -> bool:
+    """An assistant turn that so far holds only reasoning (a replayed reasoning item)."""
+    return (message is not None and message["role"] == "assistant" and message.get("reasoning") is not None
+            and not message["content"] and not message.get("tool_calls"))  # fmt: skip

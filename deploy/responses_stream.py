@@ -5,7 +5,8 @@ reads them, then a usage chunk), and ``response_events`` turns them into OpenAI'
 sequence, each event numbered by ``sequence_number``:
 
 ``response.created``, ``response.in_progress``; per output item
-``response.output_item.added``, then for a message ``response.content_part.added``,
+``response.output_item.added``, then for reasoning ``response.reasoning_text.delta``...,
+``response.reasoning_text.done``, for a message ``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, or for a function call
 ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``;
@@ -82,6 +83,19 @@ class _Events:
                                  content_index=0, delta=delta, logprobs=[]))  # fmt: skip
         return events
 
+    def reasoning(self, delta: str) -> list[bytes]:
+        """A piece of the reasoning: the reasoning item opens first (it comes before the
+        message and the calls)."""
+        events: list[bytes] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self.close("completed")
+            events += self._add(out.reasoning_item(out.new_id("rs"), "", "in_progress"))
+            self.open["text"] = ""
+        self.open["text"] += delta
+        events.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
+                                 content_index=0, delta=delta))  # fmt: skip
+        return events
+
     def call(self, delta: dict[str, Any]) -> list[bytes]:
         """One ``tool_calls`` entry of a chat delta: a new call (its id and name) and/or
         a fragment of its arguments."""
@@ -115,6 +129,11 @@ class _Events:
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                      content_index=0, part=out.text_part(text)))  # fmt: skip
             item.update(out.message_item(item["id"], text, status))
+        elif item["type"] == "reasoning":
+            text = item.pop("text")
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=text))  # fmt: skip
+            item.update(out.reasoning_item(item["id"], text, status))
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                      name=item["name"], arguments=item["arguments"]))  # fmt: skip
@@ -155,6 +174,9 @@ async def response_events(
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
+                if delta.get("reasoning"):
+                    for e in ev.reasoning(delta["reasoning"]):
+                        yield e
                 if delta.get("content"):
                     for e in ev.text(delta["content"]):
                         yield e
@@ -168,7 +190,7 @@ async def response_events(
         if aclose is not None:
             await aclose()
     status, incomplete = out.outcome(finish)
-    if not ev.output:  # nothing came: one empty message, as the whole answer would have
+    if all(item["type"] == "reasoning" for item in ev.output):  # no text, no call: one empty message, as whole
         for e in ev.text(""):
             yield e
     for e in ev.close(status):

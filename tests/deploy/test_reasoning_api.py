@@ -251,3 +251,40 @@ def test_streamed_token_ids_include_the_markers_the_parser_holds(clients, tok):
         if chunk.choices:
             ids += getattr(chunk.choices[0], "token_ids", None) or []
     assert ids == whole.token_ids
+
+
+def test_the_responses_api_returns_reasoning_items_and_replays_them(clients):
+    """Under a reasoning parser the Responses API answers with a ``reasoning`` item (the
+    reasoning text the chat message carries) before the message, whole and streamed
+    alike; a continuation replays it, exactly as the same reasoning item sent as input
+    does; ``reasoning.effort`` reaches the template; summaries are refused."""
+    client = clients["deepseek_r1"]  # the template opens <think>: the output starts inside the reasoning
+    kw: dict[str, Any] = dict(model=MODEL, input=ASK[0]["content"], max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0).choices[0].message
+    assert chat.reasoning
+    resp = client.responses.create(**kw)
+    assert [i.type for i in resp.output] == ["reasoning", "message"]
+    assert [p.text for p in resp.output[0].content] == [chat.reasoning]
+    events = list(client.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat.reasoning
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == chat.reasoning
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    follow = dict(model=MODEL, max_output_tokens=2, temperature=0)
+    nxt = client.responses.create(previous_response_id=resp.id, input="And 3 + 3?", **follow)
+    explicit = client.responses.create(input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": chat.reasoning}]},
+        {"role": "assistant", "content": chat.content or ""},
+        {"role": "user", "content": "And 3 + 3?"}], **follow)  # fmt: skip
+    without = client.responses.create(input=[{"role": "user", "content": ASK[0]["content"]},
+                                             {"role": "assistant", "content": chat.content or ""},
+                                             {"role": "user", "content": "And 3 + 3?"}], **follow)  # fmt: skip
+    assert nxt.usage.input_tokens == explicit.usage.input_tokens > without.usage.input_tokens  # the reasoning is in the prompt
+    effort = client.responses.create(reasoning={"effort": "high"}, **kw)
+    assert effort.reasoning.effort == "high" and effort.usage.input_tokens > resp.usage.input_tokens
+    for bad in ({"summary": "auto"}, {"effort": "extreme"}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(reasoning=bad, **kw)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**{**kw, "input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]})
