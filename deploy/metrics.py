@@ -194,13 +194,47 @@ def _replica_families(model_name: str, replicas: dict[str, dict[str, Any]]) -> I
     for name, key, doc in _HISTOGRAMS:
         fam = HistogramMetricFamily(name, doc, labels=labels)
         for rid, rep in sorted(replicas.items()):
-            h = rep[key]
-            cumulative, buckets = 0, []
-            for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
-            fam.add_metric([model_name, rid], buckets, float(h["sum"]))
+            fam.add_metric([model_name, rid], *_buckets(rep[key]))
         yield fam
+    yield from _transfer_families(model_name, {rid: rep["kv_transfer"] for rid, rep in replicas.items() if "kv_transfer" in rep})
+
+
+def _buckets(h: dict[str, Any]) -> tuple[list[tuple[str, float]], float]:
+    """A reported histogram (``bounds``, per-bucket ``counts``, ``sum``) as cumulative buckets and sum."""
+    cumulative, buckets = 0, []
+    for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
+    return buckets, float(h["sum"])
+
+
+_TRANSFER_COUNTERS = (
+    ("kvroute:kv_pulls", "pulls", "Prefix KV pulls from another replica that completed."),
+    ("kvroute:kv_pulled_tokens", "pulled_tokens", "Prompt tokens whose KV was pulled instead of recomputed."),
+    ("kvroute:kv_pulled_bytes", "pulled_bytes", "Bytes of KV pulled from other replicas."),
+    ("kvroute:kv_import_refusals", "import_refusals", "KV imports refused (spec, model, dtype, adapter or token mismatch)."),
+)
+
+
+def _transfer_families(model_name: str, transfers: dict[str, dict[str, Any]]) -> Iterable[Metric]:
+    """The replicas' KV pulls (``replica/kv_transfer_metrics.py``): counts, bytes,
+    seconds, and the pulls that fell back to recomputing, by why."""
+    labels = ["model_name", "replica"]
+    for name, key, doc in _TRANSFER_COUNTERS:
+        fam = CounterMetricFamily(name, doc, labels=labels)
+        for rid, t in sorted(transfers.items()):
+            fam.add_metric([model_name, rid], float(t[key]))
+        yield fam
+    fam = CounterMetricFamily("kvroute:kv_pull_fallbacks", "Pulls that fell back to recomputing, by why.",
+                              labels=[*labels, "reason"])  # fmt: skip
+    for rid, t in sorted(transfers.items()):
+        for reason, count in sorted(t["pull_fallbacks"].items()):
+            fam.add_metric([model_name, rid, reason], float(count))
+    yield fam
+    fam = HistogramMetricFamily("kvroute:kv_pull_seconds", "Seconds a pull took (export, transfer, import).", labels=labels)
+    for rid, t in sorted(transfers.items()):
+        fam.add_metric([model_name, rid], *_buckets(t["pull_s"]))
+    yield fam
 
 
 def _router_families(

@@ -21,7 +21,8 @@ from kvroute.replica.async_engine import AsyncEngine  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-PROMPT = [random.Random(3).randrange(100, 40_000) for _ in range(200)]  # 25 full blocks of 8
+_RNG = random.Random(3)
+PROMPT = [_RNG.randrange(100, 40_000) for _ in range(200)]  # 25 full blocks of 8
 
 
 class Source:
@@ -150,3 +151,29 @@ def test_a_pull_past_its_deadline_falls_back_and_the_source_releases(source, des
 
 def test_a_prefix_the_source_does_not_hold_falls_back(source, dest):
     _fallback(dest, source, "not_cached", prompt=[t + 1 for t in PROMPT])
+
+
+def test_pulls_and_fallbacks_reach_prometheus(tiny_llama_path):
+    """The destination's pulls as ``/metrics`` renders its report: pulled tokens and
+    bytes, the pull's seconds, and a fallback counted under its reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvroute.deploy.metrics import render_app
+
+    async def run() -> dict:
+        src, dst = AsyncEngine.from_config(tiny_engine(tiny_llama_path)), AsyncEngine.from_config(tiny_engine(tiny_llama_path))
+        [t async for d in src.generate(PROMPT, GREEDY) for t in d.token_ids]
+        ok = await pull_prefix(dst, lambda: export_payload(src, PROMPT))
+        cold = await pull_prefix(dst, lambda: export_payload(src, list(range(5000, 5200))))  # never run there
+        assert ok.ok and cold.fallback == "not_cached", (ok, cold)
+        return await dst.metrics_report()
+
+    report = asyncio.run(run())
+    text = render_app("m", {"dst": report}, None, {}).decode()
+    samples = {(s.name, s.labels.get("reason")): s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name.startswith("kvroute:kv_")}  # fmt: skip
+    assert samples[("kvroute:kv_pulls_total", None)] == 1
+    assert samples[("kvroute:kv_pulled_tokens_total", None)] == 200 // 8 * 8
+    assert samples[("kvroute:kv_pulled_bytes_total", None)] == report["kv_transfer"]["pulled_bytes"] > 0
+    assert samples[("kvroute:kv_pull_fallbacks_total", "not_cached")] == 1
+    assert samples[("kvroute:kv_pull_seconds_count", None)] == 1 and samples[("kvroute:kv_pull_seconds_sum", None)] > 0
