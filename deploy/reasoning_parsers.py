@@ -24,16 +24,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvroute.deploy.tool_stream import partial_suffix
+
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could begin ``marker`` (held back)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -112,7 +106,7 @@ class ReasoningStream:
                 reasoning, self.buf = self.buf[:k], self.buf[k + len(self.parser.end) :]
                 self.mode = "content"
             else:
-                keep = 0 if final else _held(self.buf, self.parser.end)
+                keep = 0 if final else partial_suffix(self.buf, self.parser.end)  # held back
                 reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
             if not self.stream_reasoning:
                 self.held_reasoning += reasoning

@@ -9,7 +9,7 @@ from kvroute.deploy.tool_calls import ToolCall
 from kvroute.deploy.tool_json import WS, CallStream, assemble
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that could begin ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -98,7 +98,7 @@ class StreamParser:
             self._content(self.buf)
             self.buf = ""
             return False
-        body = self.buf[: len(self.buf) - _partial_suffix(self.buf, marker)]
+        body = self.buf[: len(self.buf) - partial_suffix(self.buf, marker)]
         head = body.rstrip(WS)
         self._content(head)
         self.buf = self.buf[len(head) :]
