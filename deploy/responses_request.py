@@ -31,14 +31,13 @@ part of the prompt.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
 from kvroute.deploy.request_fields import NullableModel, Text
-from kvroute.deploy.tool_calls import FunctionDefinition
+from kvroute.deploy.tool_calls import FunctionDefinition, json_object
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY = 64
@@ -82,12 +81,7 @@ class FunctionCallItem(_Strict):
     @classmethod
     def _object(cls, v: str) -> str:
         """Chat templates render a call's arguments as an object."""
-        try:
-            value = json.loads(v)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON ({exc.msg})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"must encode a JSON object, got {type(value).__name__}")
+        json_object(v)
         return v
 
 

@@ -197,6 +197,22 @@ class ToolFields(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
+def json_object(text: str, field: Optional[str] = None) -> dict[str, Any]:
+    """The JSON object ``text`` encodes (a call's arguments: chat templates render them as
+    an object). ValueError when it is not JSON or encodes something else; with ``field``
+    the message starts with it and quotes the text's start, without it the message is
+    bare, for a pydantic validator whose error already names the field."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if field is None:
+            raise ValueError(f"not valid JSON ({exc.msg})") from None
+        raise ValueError(f"{field} is not valid JSON ({exc.msg}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field + ' ' if field else ''}must encode a JSON object, got {type(value).__name__}")
+    return value
+
+
 class ToolCallFunction(BaseModel):
     name: Text
     arguments: Optional[Union[Text, dict[str, Any]]] = None
@@ -207,13 +223,7 @@ class ToolCallFunction(BaseModel):
             return {}
         if isinstance(self.arguments, dict):
             return self.arguments
-        try:
-            value = json.loads(self.arguments)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"function.arguments is not valid JSON ({exc.msg}): {self.arguments[:80]!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"function.arguments must encode a JSON object, got {type(value).__name__}")
-        return value
+        return json_object(self.arguments, "function.arguments")
 
 
 class AssistantToolCall(BaseModel):

@@ -274,6 +274,20 @@ def test_bad_requests_are_4xx_naming_the_field(server, body, param):
     assert r.status_code == (404 if param == "model" else 400)
 
 
+@pytest.mark.parametrize("arguments,message", [
+    ("{oops", "input[0].arguments: not valid JSON (Expecting property name enclosed in double quotes)"),
+    ("[1]", "input[0].arguments: must encode a JSON object, got list"),
+])
+def test_a_replayed_calls_arguments_must_be_an_object(arguments, message):
+    """The same object check as a chat assistant's ``tool_calls`` (``json_object``),
+    with the item's path in front instead of ``function.arguments``."""
+    from kvroute.deploy.responses_request import _item
+
+    with pytest.raises(ValueError) as exc:
+        _item(0, {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments})
+    assert str(exc.value) == message
+
+
 def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     from tests.conftest import wait_until
 
