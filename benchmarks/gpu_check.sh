@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One lent GPU's checks, in the order the GPU issue asks for, within one time limit:
-#   1. pytest -m gpu; 2. the host tier's restore; 3. the decode step's profile (at the
-#   commit in BASE too, when given, for a side-by-side on the same card); 4. the cost
-#   models of three shapes (step profiles); 5. the full gpu_engine run
-#   (decode/prefill/offline).
+#   1. pytest -m gpu (kernels, engine, host tier, KV sizing), then the Triton kernel tests
+#   that also run interpreted on CPU (token bitmask, LoRA) on the card; then PLAN's steps:
+#   the default KV size on the card with a full batch (kv-sizing), LoRA's decode cost
+#   against the base step (lora), the host tier's restore, the decode step's profile (at
+#   the commit in BASE too, when given, for a side-by-side on the same card), the cost
+#   models of three shapes (step profiles), the full gpu_engine run (decode/prefill/offline).
 # Runs from the repository root with the machine's own python3 (torch, triton,
 # transformers there): links in kvroute/ give the package its layout, so nothing is
 # installed. Random checkpoints are kept in /tmp/kvroute-ck across steps.
@@ -11,7 +13,8 @@
 # converted folder without the weights (the device machines have no gguf to convert).
 #
 #   [PLAN="restore profile ..."] [TESTS=-k expression|none] bash benchmarks/gpu_check.sh OUT_DIR [BASE_SOURCE_DIR] [SECONDS]
-# PLAN's steps, in its order: restore profile profile-base sweep cost-model engine engine-base
+# PLAN's steps, in its order: kv-sizing lora lora-base restore profile profile-base sweep cost-model
+# engine engine-base
 # (the *-base ones run the harness of this tree on the product code in BASE_SOURCE_DIR).
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [BASE_SOURCE_DIR] [SECONDS]}
@@ -48,11 +51,16 @@ base_run="env -C $base PYTHONPATH=."
 outdir=$(realpath "$out")
 if [ "$tests" != none ]; then
   step tests 170 $new python3 -m pytest -q -m gpu -p no:cacheprovider ${tests:+-k "$tests"} \
-    tests/kernels/test_gpu.py tests/replica/test_host_tier.py
+    tests/kernels/test_gpu.py tests/replica/test_host_tier.py tests/replica/test_kv_sizing.py
+  step kernel-tests 60 $new python3 -m pytest -q -p no:cacheprovider ${tests:+-k "$tests"} \
+    tests/kernels/test_token_bitmask.py tests/kernels/test_lora_kernel.py
 fi
 [ -n "$base" ] && cp benchmarks/gpu_*.py "$base/benchmarks/"  # the same harness; only the product code differs
 for what in $plan; do
   case $what in
+  kv-sizing) step kv-sizing 150 $new python3 -m kvroute.benchmarks.gpu_kv_sizing --checkpoints $ck --out "$outdir/gpu_kv_sizing.json" ;;
+  lora) step lora 90 $new python3 -m kvroute.benchmarks.gpu_lora --checkpoints $ck --out "$outdir/gpu_lora.json" ;;
+  lora-base) step lora-base 90 $base_run python3 -m kvroute.benchmarks.gpu_lora --checkpoints $ck --out "$outdir/gpu_lora_base.json" ;;
   restore) step restore 110 $new python3 -m kvroute.benchmarks gpu_engine --restore --checkpoints $ck --out "$outdir/gpu_restore.json" ;;
   profile) step profile 80 $new python3 -m kvroute.benchmarks gpu_profile --batches 1,64 --checkpoints $ck --out "$outdir/gpu_profile.json" ;;
   profile-base) step profile-base 80 $base_run python3 -m kvroute.benchmarks.gpu_profile --batches 1,64 --checkpoints $ck \

@@ -79,9 +79,9 @@ def profile_decode(folder: Path, batch: int, context: int, iters: int = 20) -> d
     replay = graphs.replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def timed_replay(b: int, n: int) -> torch.Tensor:
+    def timed_replay(b: int, n: int, *lora: bool) -> torch.Tensor:
         start.record()
-        return replay(b, n)
+        return replay(b, n, *lora)
 
     graphs.replay = timed_replay  # type: ignore[method-assign]
     for _ in range(iters):

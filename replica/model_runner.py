@@ -54,8 +54,9 @@ class ModelRunner:
     replay a captured CUDA graph (``cuda_graph_sizes=()`` keeps every step eager).
     ``lora_slots=(max_loras, max_rank, max_cpu_loras)`` wraps the fused Linears for
     LoRA: ``lora`` is then their ``LayerSlots`` (``replica/lora/``), where the engine
-    registers adapters. A step with adapter rows runs eager (the graphs hold the base
-    model only). ``num_blocks``: the KV cache's size, or a function that gives it from
+    registers adapters. Decode steps replay the base model's graph when no row uses an
+    adapter and a graph with the adapters' products otherwise (``cuda_graphs.py``);
+    other steps with adapter rows run eager. ``num_blocks``: the KV cache's size, or a function that gives it from
     this runner once its weights are loaded (``replica/kv_sizing.py``'s ``KVSizer``,
     which may run ``profile_forward`` first).
     """
@@ -118,7 +119,8 @@ class ModelRunner:
         graphs end with the logits, written into one buffer all batch sizes share."""
         self._graph_logits = torch.empty((max(sizes), self.arch.vocab_size), dtype=self.dtype, device=self.device)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_blocks_per_seq, self.device, capture)
+            lora = (self.lora.batch, self.lora.max_loras) if self.lora is not None else None
+            self.graphs = DecodeGraphs(self._decode_logits, sizes, self.max_blocks_per_seq, self.device, capture, lora)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
@@ -189,16 +191,25 @@ class ModelRunner:
         inputs = _StepInputs(step.rows, self.block_size)
         dev = self.device
         graphs = self.graphs
+        use_graph = (graphs is not None and inputs.decode_only and not inputs.prompt_rows
+                     and len(step.rows) <= graphs.max_batch)  # fmt: skip
+        lora_slots = None  # the graph's adapter slot per row (None: no row uses one)
         if self.lora is not None:
-            qsl = inputs.query_start_loc
-            layout = [(qsl[i], row.num_new, row.request.lora_name) for i, row in enumerate(step.rows)]
-            if self.lora.lay_out(layout, dev):
-                graphs = None
-        if graphs is not None and inputs.decode_only and not inputs.prompt_rows and len(step.rows) <= graphs.max_batch:
-            b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)
+            if use_graph:
+                lora_slots = self.lora.row_slots([row.request.lora_name for row in step.rows])
+            else:
+                qsl = inputs.query_start_loc
+                self.lora.lay_out([(qsl[i], row.num_new, row.request.lora_name) for i, row in enumerate(step.rows)], dev)
+        if use_graph:
+            assert graphs is not None
+            if lora_slots is None:
+                b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens)
+            else:
+                b = graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.tables, inputs.seq_lens, lora_slots)
             if copies is not None:
                 copies.join()
-            logits = graphs.replay(b, len(step.rows))  # [n, vocab], every row's
+            # [n, vocab], every row's
+            logits = graphs.replay(b, len(step.rows)) if lora_slots is None else graphs.replay(b, len(step.rows), True)
             rows = inputs.logit_rows
             return logits if len(rows) == len(step.rows) else logits[torch.tensor(rows, dtype=torch.int64, device=dev)]
         qsl = inputs.query_start_loc

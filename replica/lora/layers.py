@@ -10,8 +10,9 @@ one product serves every slice and an untargeted slice adds exact zeros.
 
 ``LayerSlots`` (the bookkeeping of ``slots.py``) wraps a model's Linears and keeps the
 registered adapters on the host (at most ``max_cpu_loras``) and ``max_loras`` device
-slots in the wrappers, assigned least recently used first. Each step, ``lay_out`` makes
-the step's adapters resident and sets the ``LoRABatch`` (``batch.py``) the wrappers read.
+slots in the wrappers, assigned least recently used first. Each eager step, ``lay_out`` makes
+the step's adapters resident and sets the ``LoRABatch`` (``batch.py``) the wrappers read;
+a graph-replayed decode step takes ``row_slots`` instead, which the graph's buffers carry.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ class LayerSlots(AdapterSlots):
         and set the step's ``LoRABatch``; whether any row uses an adapter."""
         self.acquire({n for _, _, n in rows if n is not None})
         return self.batch.lay_out(rows, self.resident, device) is not None
+
+    def row_slots(self, names: Sequence[str | None]) -> list[int] | None:
+        """Make the adapters of a decode step's rows (``names``: each row's adapter or
+        None) resident; each row's slot (-1: the base model), or None when no row uses
+        an adapter. For a replayed CUDA graph, which reads the layout from its buffers."""
+        used = {n for n in names if n is not None}
+        if not used:
+            return None
+        self.acquire(used)
+        return [-1 if n is None else self.resident[n] for n in names]
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> float:
         t0 = time.perf_counter()

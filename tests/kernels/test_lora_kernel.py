@@ -38,3 +38,40 @@ def test_triton_lora_matches_reference(dtype, fan_in, out, width):
 
 def test_no_adapter_rows_is_none():
     assert LoRASegments.from_rows([(0, 4, -1), (4, 1, -1)], torch.device("cpu")) is None
+
+
+@pytest.mark.usefixtures("triton_available")
+@pytest.mark.parametrize("dtype,fan_in,row_slots", [
+    (torch.float32, 1100, [2, -1, 0, 2, 2, -1, 0, 2, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]),  # 3 input splits
+    (torch.bfloat16, 64, [-1, 3, -1]),  # one row, three empty slots
+    (torch.float32, 40, [-1, -1, -1, -1]),  # no adapter row: nothing changes
+])  # fmt: skip
+def test_static_layout_matches_reference(dtype, fan_in, row_slots):
+    """A decode layout on static buffers (rows grouped by slot through ``order``, one
+    segment per slot, empty ones included; the grid sized by the buffers' batch, not by
+    the lengths), as a CUDA graph replays it, against the reference."""
+    from kvroute.kernels.lora import group_rows
+
+    g = torch.Generator().manual_seed(1)
+    t, slots, out, width = len(row_slots), 4, 72, 16
+    x = torch.randn(t, fan_in, generator=g).to(DEVICE, dtype)
+    a = (torch.randn(slots, width, fan_in, generator=g) * 0.1).to(DEVICE, dtype)
+    b = (torch.randn(slots, out, width, generator=g) * 0.3).to(DEVICE, dtype)
+    y = torch.randn(t, out, generator=g).to(DEVICE, dtype)
+    order, starts, lens = group_rows(row_slots, slots)
+    assert sorted(order.tolist()) == [i for i, s in enumerate(row_slots) if s >= 0]
+    assert lens.tolist() == [row_slots.count(s) for s in range(slots)]
+    # static buffers wider than this step, stale entries past its lengths
+    order_buf = torch.full((64,), 7, dtype=torch.int32)
+    order_buf[: len(order)] = torch.from_numpy(order)
+    as_dev = lambda v: torch.as_tensor(v, dtype=torch.int32).to(DEVICE)  # noqa: E731
+    seg = LoRASegments.static(order_buf.to(DEVICE), as_dev(starts), as_dev(lens), as_dev(range(slots)), 64)
+    want, got = y.clone(), y.clone()
+    lora_add_reference(want, x, a, b, seg)
+    lora_add_triton(got, x, a, b, seg)
+    base_rows = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows]) and torch.equal(want[base_rows], y[base_rows])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if len(base_rows) < t:
+        assert not torch.equal(want, y)

@@ -5,6 +5,8 @@ and padded decode batches (the CUDA-graph input path, run eagerly here)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,3 +87,37 @@ def test_backend_switch():
     with pytest.raises(ValueError, match="backend"):
         with ops.use_backend("cuda"):
             pass
+
+
+@pytest.mark.usefixtures("triton_available")
+def test_lora_decode_graph_buffers_equal_merged_models(tiny_llama_path, tmp_path):
+    """LoRA through the decode graphs' static buffers (run eagerly here, as a captured
+    graph replays them): a batch of base rows and two adapters' rows interleaved, their
+    slots read from the buffers' grouped layout, equals each adapter merged into the
+    weights; a step without adapter rows takes the base graph; batches shrink over stale
+    layouts as requests finish."""
+    from tests.replica.test_lora import GREEDY, Fixture, _mixed
+
+    fx = Fixture(tiny_llama_path, tmp_path)
+    prompts, loras, want = _mixed(fx)
+    with ops.use_backend("triton"):
+        llm = fx.engine(max_num_seqs=16)
+        runner = llm.engine.runner
+        runner.use_decode_graphs([1, 2, 4, 8, 16], capture=False)
+        graphs = runner.graphs
+        assert graphs.has_lora
+        replays = []
+        replay = graphs.replay
+        graphs.replay = lambda b, n, lora=False: replays.append((b, n, lora)) or replay(b, n, lora)
+        lens = [GREEDY.max_tokens - 3 * (i % 4) for i in range(len(prompts))]  # finish at different steps
+        params = [dataclasses.replace(GREEDY, max_tokens=n) for n in lens]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_name=loras)
+        assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, lens)]
+        assert replays and all(lora for _, _, lora in replays) and replays[0][:2] == (16, 12)
+        assert {b for b, _, _ in replays} >= {16, 8}
+        replays.clear()
+        base = [p for p, name in zip(prompts, loras) if name is None]
+        outs = llm.generate(base, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [w for w, name in zip(want, loras) if name is None]
+        assert replays and not any(lora for _, _, lora in replays)
+    assert_no_leak(llm)
