@@ -208,3 +208,33 @@ def test_structured_output_on_cuda_equals_reference(tiny_llama_path):
         jsonschema.validate(json.loads(text), schema)
     assert re.fullmatch(regex, got[2]) and got[3] in ("red", "dark blue")
     assert_no_leak(llm)
+
+
+def test_lora_decode_graphs_equal_eager(tiny_llama_path, tmp_path):
+    """LoRA decode steps replayed from captured CUDA graphs (base rows and two adapters
+    interleaved, batches shrinking as requests finish) give the eager LoRA engine's
+    tokens; steps without adapter rows replay the base graphs."""
+    import dataclasses
+
+    from tests.replica.test_lora import GREEDY, Fixture, _mixed
+
+    fx = Fixture(tiny_llama_path, tmp_path)
+    prompts, loras, _ = _mixed(fx)
+    params = [dataclasses.replace(GREEDY, max_tokens=GREEDY.max_tokens - 3 * (i % 4)) for i in range(len(prompts))]
+    eager = fx.engine(device="cuda", max_num_seqs=16, enforce_eager=True)
+    llm = fx.engine(device="cuda", max_num_seqs=16)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.has_lora and (16, True) in graphs.graphs
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda b, n, lora=False: replays.append(lora) or replay(b, n, lora)
+    for _ in range(2):
+        want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False, lora_name=loras)]
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_name=loras)] == want
+    assert replays and all(replays)
+    replays.clear()
+    base = [p for p, name in zip(prompts, loras) if name is None]
+    want = [o.token_ids for o in eager.generate(base, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(base, GREEDY, use_tqdm=False)] == want
+    assert replays and not any(replays)
+    assert_no_leak(llm)
