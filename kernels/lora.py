@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from kvroute.kernels.triton_compat import kernel, tl, triton
 
-_SPLIT_K = 512  # input columns per shrink program (at most; fewer splits for narrow inputs)
+_SPLIT_K = 512  # input columns per shrink program when the input is split
+_WIDE_GRID = 64  # segments x row programs from which the shrink's input is not split
 
 
 @dataclass(frozen=True)
@@ -213,13 +214,16 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     slots, nr, out = a.shape[0], a.shape[1], b.shape[1]
     assert x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
     assert y.shape == (t, out) and a.shape == (slots, nr, in_features) and b.shape == (slots, out, nr)
+    block_m, grid_m = seg.block_m, seg.grid_m
+    num_segs = seg.starts.shape[0]
     block_k = min(64, max(16, triton.next_power_of_2(in_features)))
-    split = triton.cdiv(min(_SPLIT_K, in_features), block_k) * block_k  # whole BLOCK_K steps per split
+    # Few row blocks (a decode step): split the input so more programs read A; many (a
+    # prefill): one split, each program the whole input.
+    width = _SPLIT_K if num_segs * grid_m < _WIDE_GRID else in_features
+    split = triton.cdiv(min(width, in_features), block_k) * block_k  # whole BLOCK_K steps per split
     splits = triton.cdiv(in_features, split)
     part = torch.empty((splits, t, nr), dtype=torch.float32, device=x.device)  # only segment rows written
     nr_pad = max(16, triton.next_power_of_2(nr))
-    block_m, grid_m = seg.block_m, seg.grid_m
-    num_segs = seg.starts.shape[0]
     order = seg.order if seg.order is not None else seg.starts  # (not read without an order)
     _lora_shrink_kernel[(num_segs, grid_m, splits)](
         part, x, a, seg.starts, seg.lens, seg.slots, order, t,
