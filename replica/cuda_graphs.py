@@ -9,9 +9,9 @@ seq_len 0 (attention reads nothing and returns zeros); their outputs are dropped
 With LoRA (``lora=(batch, max_loras)``) every size has a second graph whose wrapped
 Linears add the adapters' products (``kernels/lora.py``) over a layout held in the same
 buffers: the rows grouped by slot and each slot's start and length, loaded with the
-step's inputs. A step without adapter rows replays the base graph, so serving with
-``enable_lora`` and no adapter costs nothing on the device; a step with them replays the
-LoRA graph instead of running eager.
+step's inputs. A step without adapter rows replays the base graph (the kernels of a
+model without LoRA, none added); a step with them replays the LoRA graph instead of
+running eager.
 
 With ``capture=False`` the same padded buffers run eagerly: that is how CPU tests check
 the padding logic (under the Triton interpreter) without a GPU.
@@ -192,6 +192,7 @@ class DecodeGraphs:
     def replay(self, b: int, n: int, lora: bool = False) -> torch.Tensor:  # [n, hidden]
         """Run the loaded batch (padded to ``b``; with ``lora``, the adapters of the
         loaded layout); the first ``n`` rows' outputs."""
+        assert self.has_lora or not lora, "a LoRA replay on graphs built without LoRA"
         if (b, lora) in self.graphs:
             self.graphs[b, lora].replay()
             return self.outputs[b, lora][:n]

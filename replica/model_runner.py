@@ -56,9 +56,9 @@ class ModelRunner:
     LoRA: ``lora`` is then their ``LayerSlots`` (``replica/lora/``), where the engine
     registers adapters. Decode steps replay the base model's graph when no row uses an
     adapter and a graph with the adapters' products otherwise (``cuda_graphs.py``);
-    other steps with adapter rows run eager. ``num_blocks``: the KV cache's size, or a function that gives it from
-    this runner once its weights are loaded (``replica/kv_sizing.py``'s ``KVSizer``,
-    which may run ``profile_forward`` first).
+    other steps with adapter rows run eager. ``num_blocks``: the KV cache's size, or a
+    function that gives it from this runner once its weights are loaded
+    (``replica/kv_sizing.py``'s ``KVSizer``, which may run ``profile_forward`` first).
     """
 
     def __init__(
