@@ -13,10 +13,29 @@
 # converted folder without the weights (the device machines have no gguf to convert).
 #
 #   [PLAN="restore profile ..."] [TESTS=-k expression|none] bash benchmarks/gpu_check.sh OUT_DIR [BASE_SOURCE_DIR] [SECONDS]
+#   bash benchmarks/gpu_check.sh --prepare BASE_COMMIT   (here, before the call: .gpu/ with the
+#     base commit's tree in .gpu/base and the fixtures' tokenizer in .gpu/cache; carry ".gpu")
 # PLAN's steps, in its order: kv-sizing lora lora-base restore profile profile-base sweep cost-model
 # engine engine-base
 # (the *-base ones run the harness of this tree on the product code in BASE_SOURCE_DIR).
 set -u
+if [ "${1:-}" = --prepare ]; then
+  commit=${2:?usage: gpu_check.sh --prepare BASE_COMMIT}
+  set -e
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo /.gpu/ >>"$exclude"
+  rm -rf .gpu/base
+  mkdir -p .gpu/base
+  git archive "$commit" | tar -x -C .gpu/base  # a plain tree (no worktree to register)
+  tok=$(.venv/bin/python -c "from kvroute.replica.checkpoint import resolve_model; print(resolve_model('smollm2-135m-instruct'))")
+  mkdir -p .gpu/cache/smollm2-135m-instruct
+  for f in config.json generation_config.json kvroute_conversion.json tokenizer.json tokenizer_config.json; do
+    cp "$tok/$f" .gpu/cache/smollm2-135m-instruct/
+  done
+  du -sh .gpu
+  exit 0
+fi
 out=${1:?usage: gpu_check.sh OUT_DIR [BASE_SOURCE_DIR] [SECONDS]}
 base=${2:-}
 budget=${3:-560}
