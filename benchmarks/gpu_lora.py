@@ -7,7 +7,8 @@ Llama-3.2-1B shape in bf16 with 1k contexts: the same scheduled step through
   (row *i* on adapter *i* mod 8, as a batch of 64 mixed requests is);
 
 each the median of ``iters`` steps (``runner.execute`` with the device synchronised),
-and its ratio to the base step. Random PEFT adapters (``benchmarks/lora_adapters.py``)
+and its ratio to the base step; and the 8-adapter step's logits against the same step
+run eager (relative norm of the difference; bf16 rounding is ~1e-2). Random PEFT adapters (``benchmarks/lora_adapters.py``)
 are read through the engine's loader. The harness uses only what every engine version
 has (``ModelRunner``'s ``lora_slots``, ``LayerSlots.read``/``register``), so
 ``gpu_check.sh`` can run it on a base commit too.
@@ -75,10 +76,18 @@ def bench_lora(folder: Path, batches: list[int], ctx: int, iters: int) -> dict[s
             for label, mix in (("no_adapter", [None]), ("one_adapter", names[:1]), ("adapters_8", names)):
                 ms = _time_steps(runner, _step(b, ctx, mix), iters) * 1e3
                 row[f"{label}_ms"], row[f"{label}_x"] = ms, ms / base_ms[b]
+            # the same 8-adapter step eager: its logits against the (graph-replayed) ones
+            step = _step(b, ctx, names)
+            fast = runner.execute(step).float().clone()
+            graphs, runner.graphs = runner.graphs, None
+            eager = runner.execute(step).float()
+            runner.graphs = graphs
+            row["adapters_8_rel_err_vs_eager"] = float((fast - eager).norm() / eager.norm())
             out["steps"].append(row)
             print(f"b={b:3d}: base {row['base_ms']:.3f} ms; enable_lora, no adapter {row['no_adapter_ms']:.3f} ms "
                   f"({row['no_adapter_x']:.2f}x); 1 adapter {row['one_adapter_ms']:.3f} ms ({row['one_adapter_x']:.2f}x); "
-                  f"8 adapters {row['adapters_8_ms']:.3f} ms ({row['adapters_8_x']:.2f}x)", flush=True)  # fmt: skip
+                  f"8 adapters {row['adapters_8_ms']:.3f} ms ({row['adapters_8_x']:.2f}x, logits vs eager "
+                  f"{row['adapters_8_rel_err_vs_eager']:.1e})", flush=True)  # fmt: skip
     return out
 
 
