@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -109,6 +109,7 @@ class ModelRunner:
             self.host_kv = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
             self.host_copies = HostCopies(self.kv_cache, self.host_kv)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.block_tables = BlockTables(self.max_blocks_per_seq)  # the steps' tables, kept between steps
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_sizes and device.type == "cuda" and ops.uses_triton(device):
             self.use_decode_graphs(cuda_graph_sizes, capture=True)
@@ -188,7 +189,7 @@ class ModelRunner:
         copies = self.host_copies if step.copies else None
         if copies is not None:
             copies.start(step.copies)
-        inputs = _StepInputs(step.rows, self.block_size)
+        inputs = _StepInputs(step.rows, self.block_size, self.block_tables)
         dev = self.device
         graphs = self.graphs
         use_graph = (graphs is not None and inputs.decode_only and not inputs.prompt_rows
@@ -241,12 +242,74 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
 
+class BlockTables:
+    """The steps' block tables, gathered from one persistent host array in which each
+    running request keeps a row, so a decode step converts only new block ids (one per
+    ``block_size`` tokens), not every row's whole table (~1.5 us a row, most of a large
+    decode step's input building).
+
+    A row is reused only when the step's ids equal the ids it holds, or extend them
+    (compared in full: the scheduler's tuple holds the same int objects, so the
+    comparison is a pointer scan); anything else (a new request, one resumed after
+    preemption, a table rewritten) is written whole. Rows are zero past their ids, as a
+    freshly padded table is. A request missing from a step gives its row back.
+    """
+
+    def __init__(self, width: int, rows: int = 16) -> None:
+        self._table = np.zeros((rows, width), dtype=np.int32)
+        self._len = [0] * rows  # ids held per row (zero past them)
+        self._free = list(range(rows - 1, -1, -1))
+        self._held: dict[int, tuple[Any, int, tuple[int, ...]]] = {}  # id(request) -> (request, row, ids)
+
+    def gather(self, rows: Sequence) -> np.ndarray:
+        """``[len(rows), widest]`` int32: each scheduled row's block ids, zero-padded."""
+        held, index, widest, seen = self._held, [], 1, set()
+        for row in rows:
+            req, ids = row.request, tuple(row.block_ids)
+            key = id(req)
+            entry = held.get(key)
+            if entry is None or entry[0] is not req:
+                r = self._take()
+                self._write(r, ids, 0)
+                held[key] = (req, r, ids)
+            else:
+                r, old = entry[1], entry[2]
+                if ids != old:
+                    n = len(old)
+                    self._write(r, ids, n if len(ids) > n and ids[:n] == old else 0)
+                    held[key] = (req, r, ids)
+            seen.add(key)
+            index.append(r)
+            widest = max(widest, len(ids))
+        if len(held) > len(seen):
+            for key in held.keys() - seen:
+                self._free.append(held.pop(key)[1])
+        return self._table[index, :widest]
+
+    def _write(self, r: int, ids: tuple[int, ...], keep: int) -> None:
+        """Row ``r`` := ``ids``, its first ``keep`` already there."""
+        n, old = len(ids), self._len[r]
+        if n > keep:
+            self._table[r, keep:n] = ids[keep:]
+        if old > n:
+            self._table[r, n:old] = 0
+        self._len[r] = n
+
+    def _take(self) -> int:
+        if not self._free:
+            rows, width = self._table.shape
+            self._table = np.concatenate([self._table, np.zeros((rows, width), dtype=np.int32)])
+            self._len += [0] * rows
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+
 class _StepInputs:
     """A step's forward inputs as host lists, built in one pass over its rows; block
-    tables as one zero-padded ``int32`` array (filled row by row: a tensor per row was
-    most of a large decode step's host time)."""
+    tables as one zero-padded ``int32`` array (from ``tables``, the runner's persistent
+    ``BlockTables``, or else filled row by row)."""
 
-    def __init__(self, rows: Sequence, block_size: int) -> None:
+    def __init__(self, rows: Sequence, block_size: int, tables: BlockTables | None = None) -> None:
         self.input_ids: list[int] = []
         self.positions: list[int] = []
         self.slots: list[int] = []
@@ -256,7 +319,12 @@ class _StepInputs:
         self.logit_rows: list[int] = []
         # (row, first position in the step, count): positions predicting a prompt token
         self.prompt_rows: list[tuple[int, int, int]] = []
-        self.tables = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
+        if tables is not None:
+            self.tables = tables.gather(rows)
+        else:
+            self.tables = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
+            for i, row in enumerate(rows):
+                self.tables[i, : len(row.block_ids)] = row.block_ids
         bs = block_size
         for i, row in enumerate(rows):
             start, end = row.num_computed, row.num_computed + row.num_new
@@ -269,7 +337,6 @@ class _StepInputs:
                 self.input_ids.extend(row.request.token_ids[start:end])
                 self.positions.extend(range(start, end))
                 self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            self.tables[i, : len(table)] = table
             self.query_start_loc.append(self.query_start_loc[-1] + end - start)
             self.seq_lens.append(end)
             self.context_lens.append(start)
