@@ -1,7 +1,8 @@
 """The client libraries agents and JSON apps are written with, unmodified, against the
 real ``kvroute serve-replica`` (the embedded SmolLM2 in fp32, ``--chat-template
-chatml_tools --enable-auto-tool-choice --tool-call-parser hermes``), one server for the
-module: langchain-openai, instructor, pydantic-ai, the OpenAI Agents SDK (its
+chatml_tools --enable-auto-tool-choice --tool-call-parser hermes``), the one server
+test_messages_api and test_responses_api use too (tests/deploy/conftest.py):
+langchain-openai, instructor, pydantic-ai, the OpenAI Agents SDK (its
 chat-completions model and its default Responses model), the openai SDK's strict
 pydantic helpers, anthropic with a ``$defs`` schema, and aiperf's chat and responses runs;
 last, langchain once through the Ray Serve application (the session's Ray cluster).
@@ -39,10 +40,9 @@ pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("fastapi")
 from pydantic import BaseModel, Field  # noqa: E402
 
-from tests.conftest import free_port, wait_until  # noqa: E402
-from tests.deploy.server import start_cli, stop_cli  # noqa: E402
+from tests.deploy.conftest import SMOL_MODEL  # noqa: E402
 
-MODEL = "smol"
+MODEL = SMOL_MODEL
 ASK_PERSON = "Ada Lovelace, 36, a mathematician and writer, lives in London, England. High priority."
 # room for the whitespace a json_schema grammar lets the model put between tokens (it does, as under vLLM)
 MAX_TOKENS = 250
@@ -123,25 +123,9 @@ def _inlined(schema: dict[str, Any]) -> bool:
 
 # ---------------------------------------------------------------------- the server and the wire
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    port = free_port()
-    proc, lines = start_cli(["serve-replica", "--model", str(smollm2_path), "--port", str(port), "--dtype", "float32",
-                             "--num-kv-blocks", "512", "--max-model-len", "2048", "--max-num-seqs", "16",
-                             "--served-model-name", MODEL, "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
-                             "--tool-call-parser", "hermes"], "serving")  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, 240, "serve-replica to answer /health")
-        yield url
-    finally:
-        stop_cli(proc, lines)
+def server(smol_tools_server):
+    """The package's ``kvroute serve-replica`` with the tool flags (tests/deploy/conftest.py)."""
+    return smol_tools_server
 
 
 class Wire:

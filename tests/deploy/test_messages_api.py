@@ -1,6 +1,7 @@
 """Anthropic's Messages API end to end: the official ``anthropic`` client against the
-single-engine server on the embedded SmolLM2 (``--chat-template chatml_tools
---enable-auto-tool-choice --tool-call-parser hermes``). Each answer is checked against
+single-engine ``kvroute serve-replica`` on the embedded SmolLM2 (``--chat-template
+chatml_tools --enable-auto-tool-choice --tool-call-parser hermes``; the package's
+``smol_tools_server``). Each answer is checked against
 what the chat path gives for the same conversation (greedy, so the texts must be
 equal), which shows the translation renders the same prompt: the system prompt, stop
 sequences, prefill, streamed events, cache reads in usage, forced tool use whose input
@@ -25,11 +26,11 @@ from kvroute.deploy.errors import error_body  # noqa: E402
 from kvroute.deploy.messages_answer import message_events  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
 from kvroute.deploy.serving import ServerLimits  # noqa: E402
-from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
+from tests.deploy.conftest import SMOL_MODEL  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
 
-MODEL = "smol"
+MODEL = SMOL_MODEL
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -47,13 +48,9 @@ TRIP_ASK = [{"role": "user", "content": "Plan a train trip from Paris to Rome."}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    config = EngineConfig(model=str(smollm2_path), num_kv_blocks=512, max_model_len=1024, dtype="float32",
-                          max_num_seqs=16)  # fmt: skip
-    tools = ToolServingConfig.from_flags("chatml_tools", "hermes", True)
-    app, _ = build_replica_server(config, ServerLimits(), MODEL, tool_config=tools)
-    with running(app) as url:
-        yield url
+def server(smol_tools_server):
+    """The package's ``kvroute serve-replica`` with the tool flags (tests/deploy/conftest.py)."""
+    return smol_tools_server
 
 
 @pytest.fixture(scope="module")

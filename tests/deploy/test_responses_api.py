@@ -1,6 +1,6 @@
 """The Responses API (``/v1/responses``) end to end with the official ``openai`` client:
-the single-engine server on the embedded SmolLM2 with the tool flags (``chatml_tools``,
-auto tool choice, the hermes parser), then once through the Ray Serve application with
+the single-engine ``kvroute serve-replica`` on the embedded SmolLM2 with the tool flags
+(``chatml_tools``, auto tool choice, the hermes parser; the package's ``smol_tools_server``), then once through the Ray Serve application with
 two ingresses in front of one fleet. Also the response store's bounds, on its own, and
 the OpenAI Agents SDK's default (Responses) model when the package is installed.
 
@@ -23,13 +23,9 @@ pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("fastapi")
 
 from kvroute.cluster.response_store_actor import BoundedStore, StoreBounds  # noqa: E402
-from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
-from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
-from kvroute.replica.config import EngineConfig  # noqa: E402
-from tests.deploy.server import running  # noqa: E402
+from tests.deploy.conftest import SMOL_MODEL  # noqa: E402
 
-MODEL = "smol"
+MODEL = SMOL_MODEL
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 24}
 TRIP = {
     "type": "function", "name": "plan_trip", "description": "Plan a trip through some cities",
@@ -45,12 +41,9 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    config = EngineConfig(model=str(smollm2_path), num_kv_blocks=512, max_model_len=1024, dtype="float32", max_num_seqs=16)
-    tools = ToolServingConfig.from_flags("chatml_tools", "hermes", True)
-    app, _ = build_replica_server(config, ServerLimits(), MODEL, tool_config=tools)
-    with running(app) as url:
-        yield url
+def server(smol_tools_server):
+    """The package's ``kvroute serve-replica`` with the tool flags (tests/deploy/conftest.py)."""
+    return smol_tools_server
 
 
 @pytest.fixture(scope="module")
