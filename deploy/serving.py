@@ -2,7 +2,9 @@
 once, whatever answers it.
 
 ``OpenAIServing`` is plain Python (no FastAPI, no Ray) and reads top-down per route:
-check the request against the model's limits (model name, prompt count, ``n``, context
+check the request against the model's limits (model name, resolved by
+``deploy/served_models.py``, which also answers the model list and the LoRA routes;
+prompt count, ``n``, context
 length, ``best_of``, ``continue_final_message``, ``min_tokens``, token ids in the
 vocabulary), plan its tools (``deploy/tool_serving.py``), compile its structured output
 (``deploy/grammar_check.py``), render and tokenize it once (off the event loop;
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from typing import Any, Optional, Protocol, Sequence, Union
 
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvroute import __version__
 from kvroute.deploy.chat_template import ChatRenderer
-from kvroute.deploy.errors import APIError, bad_request
+from kvroute.deploy.errors import bad_request
 from kvroute.deploy.generation_defaults import GenerationDefaults
 from kvroute.deploy.grammar_check import StructuredOutputCheck
 from kvroute.deploy.protocol import (
@@ -41,12 +42,13 @@ from kvroute.deploy.protocol import (
 )
 from kvroute.deploy.reasoning import ReasoningServing
 from kvroute.deploy.request_fields import field_of
+from kvroute.deploy.served_models import AdapterHost, ServedModels
 from kvroute.deploy.tool_calls import template_messages
 from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
 from kvroute.replica.sampling_params import SamplingParams
 from kvroute.replica.structured_output import COMPILE_TIMEOUT_S, StructuredOutput
 
-__all__ = ["Backend", "OpenAIServing", "ServerLimits"]
+__all__ = ["AdapterHost", "Backend", "OpenAIServing", "ServerLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -78,27 +80,9 @@ class ServerLimits(BaseModel):
                                                description="a grammar that compiles slower is refused (400)")
 
 
-class AdapterHost(Protocol):
-    """Where LoRA adapters live (``AsyncEngine``; in the Serve application and in
-    front of external workers ``cluster/lora.py``'s ``FleetAdapters`` and
-    ``WorkerAdapters``): ValueError for a bad folder, a taken name, an unknown adapter
-    or one in use."""
-
-    async def list_loras(self) -> dict[str, str]:
-        """The loaded adapters' folders by name."""
-
-    async def find_lora(self, name: str) -> bool:
-        """Whether ``name`` is loaded (a host may load it now, e.g. from a dynamic path);
-        ValueError when it exists but cannot be loaded."""
-
-    async def load_lora(self, name: str, path: str) -> None: ...
-
-    async def unload_lora(self, name: str) -> None: ...
-
-
 class OpenAIServing:
     """``adapters``: the LoRA adapters' host; ``model`` may then name an adapter, and
-    /v1/models lists them (``parent``: the base model)."""
+    /v1/models lists them (``parent``: the base model; ``ServedModels``)."""
 
     def __init__(
         self,
@@ -114,104 +98,41 @@ class OpenAIServing:
         generation_defaults: GenerationDefaults = GenerationDefaults(),
     ) -> None:
         self.generation_defaults = generation_defaults  # the model's sampling defaults (generation_config.json)
+        self.served = ServedModels(model_name, max_model_len, served_model_aliases, adapters)
         self.adapters = adapters
         self.tool_config = tool_config
         self.renderer = ChatRenderer(tokenizer, tool_config.chat_template)
         self.reasoning = ReasoningServing(tool_config.reasoning_parser, tokenizer, self.renderer.template)
         self.check_structured = StructuredOutputCheck(tokenizer, vocab_size, limits.structured_output_timeout_s)
         self.model_name = model_name
-        self.model_names = (model_name, *served_model_aliases)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.backend = backend
         self.limits = limits
-        self.created = int(time.time())
 
-    # ------------------------------------------------------------------ small APIs
+    # ------------------------------------------------------------------ models and adapters (deploy/served_models.py)
     async def models(self) -> dict[str, Any]:
-        adapters = await self._lora_modules()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "kvroute",
-                    "root": self.model_name,
-                    "max_model_len": self.max_model_len,
-                }
-                for name in self.model_names
-            ]
-            + [
-                {"id": name, "object": "model", "created": self.created, "owned_by": "kvroute", "root": path,
-                 "parent": self.model_name, "max_model_len": self.max_model_len}  # fmt: skip
-                for name, path in adapters.items()
-            ],
-        }
+        return await self.served.models()
 
     async def model_card(self, model_id: str) -> dict[str, Any]:
-        """``GET /v1/models/{id}`` (Ray Serve LLM's route): the card, or a 404 naming it."""
-        for card in (await self.models())["data"]:
-            if card["id"] == model_id:
-                return card
-        raise APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return await self.served.model_card(model_id)
+
+    async def check_model(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter ``model`` names (None: the base model); 404/400 otherwise."""
+        return await self.served.resolve(model)
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> str:
+        return await self.served.load_lora_adapter(req)
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
+        return await self.served.unload_lora_adapter(req)
 
     @staticmethod
     def version() -> dict[str, str]:
         return {"version": __version__}
 
-    async def _lora_modules(self) -> dict[str, str]:
-        return {} if self.adapters is None else await self.adapters.list_loras()
-
-    async def check_model(self, model: Optional[str]) -> Optional[str]:
-        """The LoRA adapter ``model`` names (None: the base model); 404 for a name that is
-        neither the model, an alias, nor an adapter the host has or can load (400 for
-        one it cannot load). Ray Serve LLM's ``"<base model>:<adapter>"`` names the
-        adapter: with an unknown adapter the 404 names it; with another base, the model."""
-        if model is None or model in self.model_names:
-            return None
-        base, colon, adapter = model.partition(":")
-        if not (colon and adapter and base in self.model_names):
-            adapter = model
-        if self.adapters is not None:
-            try:
-                if await self.adapters.find_lora(adapter):
-                    return adapter
-            except ValueError as exc:
-                raise bad_request(str(exc), param="model") from None
-        serves = [*self.model_names, *await self._lora_modules()]
-        what = f"The LoRA adapter {adapter!r} of {base!r}" if adapter != model else f"The model {model!r}"
-        raise APIError(404, f"{what} does not exist; this server serves {serves}", param="model", code="model_not_found")
-
-    # ------------------------------------------------------------------ LoRA adapters
-    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> str:
-        host = self._adapter_host()
-        if req.lora_name in self.model_names:
-            raise bad_request(f"{req.lora_name!r} is the base model's name", param="lora_name")
-        try:
-            await host.load_lora(req.lora_name, req.lora_path)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="lora_name" if "already loaded" in str(exc) else "lora_path") from None
-        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
-
-    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
-        host = self._adapter_host()
-        if req.lora_name not in await host.list_loras():
-            raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
-                           code="model_not_found")  # fmt: skip
-        try:
-            await host.unload_lora(req.lora_name)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="lora_name") from None
-        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
-
-    def _adapter_host(self) -> AdapterHost:
-        if self.adapters is None:
-            raise bad_request("this server runs without LoRA adapters (start it with --enable-lora)")
-        return self.adapters
-
+    # ------------------------------------------------------------------ tokenizer routes
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         await self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
