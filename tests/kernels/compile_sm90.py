@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvroute.kernels import kv_store, paged_attention, rms_norm, rotary  # noqa: E402
+from kvroute.kernels import activation, kv_store, lora, paged_attention, rms_norm, rotary, token_bitmask  # noqa: E402
 
 I32 = "i32"
 H100_SHARED_BYTES = 227 * 1024
@@ -59,6 +59,19 @@ def main() -> None:
                 dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", stride_qt=I32, stride_qh=I32,
                      stride_kt=I32, stride_kh=I32, stride_ct=I32, num_heads=I32, num_kv_heads=I32),
                 dict(HEADS_PAD=32, HALF=32, HALF_PAD=32))  # fmt: skip
+    compile_one(activation._silu_and_mul_kernel, dict(out_ptr="*bf16", in_ptr="*bf16", width=I32), dict(BLOCK=1024))
+    compile_one(token_bitmask._apply_bitmask_kernel,
+                dict(logits_ptr="*fp32", bitmask_ptr="*i32", indices_ptr="*i32", vocab=I32, logits_stride=I32, words=I32),
+                dict(BLOCK=4096))  # fmt: skip
+    # LoRA at the 1B shape's qkv (rank 16 x 3 slices): a decode layout through a row order
+    # with a split input, and a prefill's consecutive rows with one split
+    segs = dict(starts_ptr="*i32", lens_ptr="*i32", slots_ptr="*i32", order_ptr="*i32", T=I32)
+    for has_order, split, block_m in ((True, 512, 32), (False, 2048, 32)):
+        compile_one(lora._lora_shrink_kernel, dict(segs, part_ptr="*fp32", x_ptr="*bf16", a_ptr="*bf16"),
+                    dict(IN=2048, NR=48, NR_PAD=64, SPLIT=split, BLOCK_M=block_m, BLOCK_K=64, HAS_ORDER=has_order))  # fmt: skip
+        compile_one(lora._lora_expand_kernel, dict(segs, y_ptr="*bf16", part_ptr="*fp32", b_ptr="*bf16"),
+                    dict(OUT=3072, NR=48, NR_PAD=64, SPLITS=2048 // split, BLOCK_M=block_m, BLOCK_N=64,
+                         HAS_ORDER=has_order))  # fmt: skip
     sys.stdout.flush()
 
 
