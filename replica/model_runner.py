@@ -268,8 +268,8 @@ class BlockTables:
             req, ids = row.request, tuple(row.block_ids)
             key = id(req)
             entry = held.get(key)
-            if entry is None or entry[0] is not req:
-                r = self._take()
+            if entry is None or entry[0] is not req:  # (held requests stay alive, so ids are not reused)
+                r = self._take() if entry is None else entry[1]
                 self._write(r, ids, 0)
                 held[key] = (req, r, ids)
             else:
