@@ -44,6 +44,10 @@ class ClusterConfig:
     router_timeout_s: float = 1.0  # a routing call slower than this goes to the next router, then power of two
     num_routers: int = 1  # active router actors, each with the whole directory (ARCHITECTURE.md §3.3)
     heartbeat_s: float = 0.5  # a replica reports at least this often, even when idle
+    # A replica folds the KV events and load of this long into one push to each router,
+    # so the routers' intake grows with time, not with requests (a router's own decisions
+    # are in its view at once: it inserts the runs it routes itself).
+    push_interval_s: float = 0.025
     replica_timeout_s: float = 10.0  # the router forgets a replica silent this long
     graceful_shutdown_timeout_s: float = 30.0
     max_resume_attempts: int = 3  # per request, after a replica dies mid-stream
@@ -92,6 +96,9 @@ class ClusterConfig:
             raise ValueError(
                 f"replica_timeout_s={self.replica_timeout_s} must exceed two heartbeats (heartbeat_s={self.heartbeat_s})"
             )
+        if not 0 <= self.push_interval_s < self.heartbeat_s:
+            raise ValueError(f"push_interval_s must be >= 0 and below heartbeat_s={self.heartbeat_s}, "
+                             f"got {self.push_interval_s}")
         if not isinstance(self.num_routers, int) or self.num_routers < 1:
             raise ValueError(f"num_routers must be an integer >= 1, got {self.num_routers!r}")
         if self.max_resume_attempts < 0:

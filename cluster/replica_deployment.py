@@ -121,6 +121,8 @@ class _RouterLink:
                     continue
                 if ok is not True and r.first_router() is not self:  # a standby: fold changes meanwhile
                     await asyncio.sleep(float(ok))
+                elif r.config.push_interval_s:  # fold what comes meanwhile into the next push
+                    await asyncio.sleep(r.config.push_interval_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # router down, restarting or refusing: register again later

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvroute.cluster.config import ROUTER_CHOICES
+from kvroute.deploy import serve_proxy
+from kvroute.deploy.serve_proxy import PROXIES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -171,6 +174,23 @@ def _add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 (or set KVROUTE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
+    # what /v1/responses keeps, least recently used evicted first (unset: ServerLimits' defaults)
+    p.add_argument("--response-store-max-entries", type=_positive(int), metavar="N", help="responses (default 10000)")
+    p.add_argument("--response-store-max-mib", type=_positive(float), metavar="MIB", help="their JSON (default 256)")
+    p.add_argument("--response-store-ttl-s", type=_positive(float), metavar="S", help="each one's time (default 86400)")
+
+
+def _positive(convert: type) -> Callable[[str], float]:
+    """An argparse type: ``convert`` the text, which must give a finite number above 0."""
+
+    def check(text: str) -> float:
+        value = convert(text)  # (argparse reports a ValueError as an invalid value)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+        return value
+
+    check.__name__ = convert.__name__
+    return check
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -183,7 +203,12 @@ def _limits(args: argparse.Namespace):
     from kvroute.deploy.serving import ServerLimits
 
     api_key = args.api_key or os.environ.get("KVROUTE_API_KEY") or None
-    return ServerLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s, api_key=api_key)
+    store = {k: v for k in _STORE_BOUNDS if (v := getattr(args, k)) is not None}  # unset: ServerLimits' defaults
+    return ServerLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s, api_key=api_key,
+                        **store)  # fmt: skip
+
+
+_STORE_BOUNDS = ("response_store_max_entries", "response_store_max_mib", "response_store_ttl_s")
 
 
 def _serve_replica(args: argparse.Namespace) -> int:
@@ -231,7 +256,7 @@ def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool 
         ],
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
                     "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas,
-                    **_tool_ingress_args(args)},
+                    **{k: getattr(limits, k) for k in _STORE_BOUNDS}, **_tool_ingress_args(args)},
     }  # fmt: skip
     if args.dynamic_lora_path is not None:  # serve.yaml's lora_config (enable_lora implied)
         app["llm_configs"][0]["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_path,
@@ -260,6 +285,12 @@ def _tool_ingress_args(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import time
+
+    if args.address and args.proxy is not None:
+        raise SystemExit("kvroute serve: --proxy applies to a cluster this command starts, not to one joined with "
+                         "--address (start that one with the proxy's environment: docs/cluster.md)")
+    if not args.address:  # before Ray is imported: its processes read the proxy's environment at start
+        serve_proxy.apply(args.proxy or "haproxy")
 
     import ray
     from ray import serve
@@ -306,8 +337,10 @@ def _serve(args: argparse.Namespace) -> int:
     print("kvroute: stopping…", flush=True)
     serve.delete(args.app_name)
     kill_router_actors(args.app_name)
+    haproxies = [] if args.address else serve_proxy.haproxy_pids()
     serve.shutdown()
     ray.shutdown()
+    serve_proxy.stop_orphans(haproxies)  # a proxy whose manager died before stopping it
     return 0
 
 
@@ -354,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs each replica reserves, fractions allowed (default: 1 where there are GPUs, else 0)")
     s.add_argument("--app-name", default="kvroute")
     s.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto) instead of starting one")
+    s.add_argument("--proxy", default=None, choices=PROXIES,
+                   help="the HTTP proxy of the cluster this command starts: haproxy (the default; Ray Serve's "
+                        "high-throughput path) or python (Serve's proxy actor); a cluster joined with --address keeps "
+                        "its own (docs/cluster.md)")
     s.add_argument("--workers", default=None, metavar="URL[=EVENTS[=REPLAY]][,...]",
                    help="route to these OpenAI-compatible servers (vLLM, kvroute serve-replica) instead of starting "
                         "replicas; --model is their model folder (the tokenizer), --block-size their block size; "

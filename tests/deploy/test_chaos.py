@@ -12,12 +12,14 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
+from kvroute.deploy import serve_proxy  # noqa: E402
 from tests.conftest import free_port, wait_until  # noqa: E402
 from tests.deploy.server import start_cli, stop_cli  # noqa: E402
 
@@ -87,8 +89,12 @@ def served(tiny_llama_path):
 
 
 def test_serve_command_runs_the_cluster(served):
-    _, _, url = served
+    proc, _, url = served
     assert httpx.get(url + "/health", timeout=30).status_code == 200
+    # the default proxy: HAProxy (Ray Serve's high-throughput path) holds the HTTP port
+    port = int(url.rsplit(":", 1)[1])
+    listeners = {pid for pid in serve_proxy.haproxy_pids(proc.pid) if _listens_on(pid, port)}
+    assert listeners, "no HAProxy of this cluster listens on the service's port"
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -141,6 +147,35 @@ def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
 def test_serve_command_stops_on_ctrl_c(served):
     """After all of the above (a replica and the router killed and replaced)."""
     proc, lines, _ = served
+    haproxies = serve_proxy.haproxy_pids(proc.pid)
+    assert haproxies
     output = stop_cli(proc, lines)
     assert proc.returncode == 0, output[-3000:]
     assert "kvroute: stopping" in output
+    wait_until(lambda: all(_zombie(p) for p in haproxies), 20, f"the cluster's HAProxy processes {haproxies} to end")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on ``port`` (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
+                return True
+    return False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.deploy.cli import main
+from kvroute.deploy.cli import build_parser, main
 from tests.deploy.server import start_cli, stop_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -299,3 +299,36 @@ def test_serve_dynamic_lora_path_is_lora_config():
     assert llm.lora_config.dynamic_lora_loading_path == "/adapters"
     engine = app.cluster_config().engine
     assert engine.enable_lora and engine.max_loras == 3
+
+
+def test_serve_proxy_environment_defaults_and_refusals(monkeypatch):
+    from kvroute.deploy import serve_proxy
+
+    for key in serve_proxy.FAST_PATH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    env = serve_proxy.apply("haproxy")
+    assert {k: env[k] for k in serve_proxy.FAST_PATH_ENV} == serve_proxy.FAST_PATH_ENV
+    # HAProxy's side listeners get free ports, so two clusters on one machine can run
+    assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) != 8404 and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) != 9101
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # what the caller set wins
+    for key in ("RAY_SERVE_ENABLE_HA_PROXY",):
+        monkeypatch.delenv(key)
+    assert serve_proxy.apply("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    with pytest.raises(ValueError, match="proxy must be one of haproxy, python"):
+        serve_proxy.apply("nginx")
+    with pytest.raises(SystemExit, match="--proxy applies to a cluster this command starts"):
+        main(["serve", "--address", "auto", "--proxy", "python"])
+    with pytest.raises(SystemExit):  # argparse refuses an unknown proxy
+        build_parser().parse_args(["serve", "--proxy", "nginx"])
+
+
+def test_push_interval_is_checked():
+    from kvroute.cluster.config import ClusterConfig
+    from kvroute.replica.config import EngineConfig
+
+    assert ClusterConfig(engine=EngineConfig(), num_replicas=1).push_interval_s > 0
+    for bad in (-0.1, 0.5, 2.0):  # at or past the heartbeat (0.5 s) would starve it
+        with pytest.raises(ValueError, match="push_interval_s must be >= 0 and below heartbeat_s"):
+            ClusterConfig(engine=EngineConfig(), num_replicas=1, push_interval_s=bad)
