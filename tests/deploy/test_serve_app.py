@@ -445,7 +445,7 @@ def test_schemathesis_generated_requests_through_serve(app):
     for op in operations:
         has_body = op.method.upper() == "POST"  # the GET routes take no input to get wrong
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
-            examples = 40 if has_body else 3
+            examples = 20 if has_body else 3
 
             @settings(
                 max_examples=examples,
