@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "router_overhead": ("router_overhead", "the router in-process: route latency, event application rate, directory memory"),
     "router_cpu": ("router_cpu", "one router actor's CPU, replayed without Ray, per call kind (--baseline REF: before/after)"),
     "worker_pool_cpu": ("worker_pool_cpu", "the worker pool's CPU per worker per second (--baseline REF: before/after)"),
+    "data_path": ("data_path", "the routing layer's own cost at real speed: kvroute serve (haproxy, python, workers) beside sglang/vllm-router"),
     "cluster_overhead": ("cluster_overhead", "what routing through the router actor costs a request on a local Ray cluster"),
     "long_prompt": ("long_prompt", "a long prompt beside short requests: the short ones' TTFT while it prefills"),
     "hostile_latency": ("hostile_latency", "a plain request's latency while hostile structured-output specs compile"),
