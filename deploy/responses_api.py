@@ -1,5 +1,6 @@
 """The OpenAI Responses API (``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``) as a translation onto the chat path.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``) as a translation onto
+the chat path.
 
 A request becomes a chat request (``responses_request.chat_body``) that
 ``OpenAIServing.prepare_chat`` checks, templates and tokenizes, and the serving's
@@ -11,7 +12,8 @@ into a response object (``responses_output``) or, streamed, into the Responses e
 
 With ``store`` (the default, as OpenAI has it) the response and its conversation (the
 previous response's, this input, this output) go to a ``ResponseStore``
-(``deploy/response_store.py``), from which ``GET`` returns the response and
+(``deploy/response_store.py``), from which ``GET`` returns the response (and
+``input_items`` the conversation up to its output) and
 ``previous_response_id`` continues the conversation: the stored items are rendered in
 front of the new input, so the continuation's prompt starts with the previous prompt and
 is routed to the replica holding its KV. A response the store no longer has (deleted,
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -32,7 +34,7 @@ from kvroute.deploy.errors import APIError, bad_request
 from kvroute.deploy.protocol import Answer, ChatCompletionRequest
 from kvroute.deploy.request_fields import field_of
 from kvroute.deploy.response_store import ResponseStore
-from kvroute.deploy.responses_output import conversation_of, created_at, from_chat, new_id
+from kvroute.deploy.responses_output import conversation_of, created_at, from_chat, input_item, new_id
 from kvroute.deploy.responses_request import ResponsesRequest, chat_body
 from kvroute.deploy.responses_stream import response_events
 from kvroute.deploy.serving import OpenAIServing
@@ -122,6 +124,31 @@ class ResponsesAPI:
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def input_items(self, response_id: str, query: Mapping[str, list[str]]) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the items the response was generated
+        from (the conversation it continued and its own input; not ``instructions``), a
+        page of them as OpenAI's list object. ``query``: each query parameter's values;
+        ``limit`` (1 to 100, default 20), ``order`` (``asc`` or ``desc``, the default:
+        newest first), ``after`` (an item id of this list: the page starts behind it);
+        anything else is a 400 naming it."""
+        limit, order, after = _page_of(query)
+        record = await self._record(response_id)
+        if record is None:
+            raise _not_found(response_id)
+        conversation = record["conversation"]
+        inputs = conversation[: len(conversation) - len(conversation_of(record["response"]["output"]))]
+        items = [input_item(item, response_id, i) for i, item in enumerate(inputs)]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after: {after!r} is not an input item of response {response_id!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
+
     async def _conversation(self, previous_id: Optional[str]) -> list[dict[str, Any]]:
         """The stored conversation ``previous_response_id`` continues (empty without one)."""
         if previous_id is None:
@@ -156,6 +183,28 @@ class ResponsesAPI:
             log.warning("response %s was not stored: its record exceeds the response store's byte bound", response["id"])
 
 
+def _page_of(query: Mapping[str, list[str]]) -> tuple[int, str, Optional[str]]:
+    """``limit``, ``order`` and ``after`` of an input item listing (see
+    ``ResponsesAPI.input_items``); a 400 naming the parameter for a bad or repeated one."""
+    unknown = sorted(set(query) - {"limit", "order", "after", "include"})
+    if unknown:
+        raise bad_request(f"{unknown[0]}: unknown query parameter; input_items takes limit, order and after",
+                          param=unknown[0])  # fmt: skip
+    if query.get("include"):
+        raise bad_request("include: nothing more can be included; the items carry all kvroute keeps", param="include")
+    for name, values in query.items():
+        if len(values) > 1:
+            raise bad_request(f"{name}: given {len(values)} times; give it once", param=name)
+    limit_text = (query.get("limit") or ["20"])[0]
+    limit = int(limit_text) if limit_text.strip().isdigit() else 0
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit: must be an integer from 1 to 100, got {limit_text!r}", param="limit")
+    order = (query.get("order") or ["desc"])[0]
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", param="order")
+    return limit, order, (query.get("after") or [None])[0]
+
+
 def _not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id {response_id!r} not found.", param="response_id", code="not_found")
 
@@ -181,6 +230,14 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, store: ResponseSt
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
         return await api.retrieve(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, limit: Optional[str] = None,
+                               order: Optional[str] = None, after: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
+        """(``limit``, ``order`` and ``after`` are read and checked by ``input_items``;
+        named here so the route's schema lists them.)"""
+        query = {key: request.query_params.getlist(key) for key in request.query_params}
+        return await api.input_items(response_id, query)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

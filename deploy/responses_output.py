@@ -143,6 +143,29 @@ def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_item(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """One item of a stored conversation (normal form) as ``GET
+    /v1/responses/{id}/input_items`` lists it, in OpenAI's item shape. The normal form
+    keeps no item ids, so the id is made from the response's id and the item's place in
+    the conversation: the same on every call, which is what ``after`` pages by."""
+    kind = item["type"]
+    item_id = f"{_ITEM_PREFIXES[kind]}_{response_id.removeprefix('resp_')}_{index}"
+    if kind == "message" and item["role"] == "assistant":
+        return message_item(item_id, item["content"], "completed")
+    if kind == "message":
+        return {"id": item_id, "type": "message", "status": "completed", "role": item["role"],
+                "content": [{"type": "input_text", "text": item["content"]}]}  # fmt: skip
+    if kind == "function_call":
+        return function_call_item(item_id, item["call_id"], item["name"], item["arguments"], "completed")
+    if kind == "function_call_output":
+        return {"id": item_id, "type": "function_call_output", "status": "completed", "call_id": item["call_id"],
+                "output": item["output"]}  # fmt: skip
+    return reasoning_item(item_id, item["text"], "completed")
+
+
 def from_chat(req: ResponsesRequest, rid: str, model: str, created: int, chat: dict[str, Any]) -> dict[str, Any]:
     """The response object for a finished chat completion (one choice)."""
     choice = chat["choices"][0]

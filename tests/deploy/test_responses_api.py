@@ -237,6 +237,63 @@ def test_store_false_is_not_retrievable(client):
     assert client.responses.retrieve(kept.id).output_text == kept.output_text == r.output_text
 
 
+# ---------------------------------------------------------------------- input items
+def test_input_items_are_the_conversation_up_to_the_output(client):
+    """``input_items.list``: the items a response was generated from, newest first by
+    default; a continuation's are the previous conversation (its output included) and
+    its own input; the client's auto-paging walks them by ``after``."""
+    first = client.responses.create(model=MODEL, instructions="You are terse.", input="My cat is called Tom.", **GREEDY)
+    page = client.responses.input_items.list(first.id)
+    [item] = page.data
+    assert item.type == "message" and item.role == "user" and item.status == "completed"
+    assert [(p.type, p.text) for p in item.content] == [("input_text", "My cat is called Tom.")]
+    assert page.first_id == page.last_id == item.id and page.has_more is False and page.object == "list"
+
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my cat called?", **GREEDY)
+    asc = client.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, i.role) for i in asc] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert asc[1].content[0].type == "output_text" and asc[1].content[0].text == first.output_text
+    assert asc[2].content[0].text == "What is my cat called?"
+    desc = client.responses.input_items.list(second.id)
+    assert [i.id for i in desc.data] == [i.id for i in reversed(asc)] and len(set(i.id for i in asc)) == 3
+    one = client.responses.input_items.list(second.id, limit=1, order="asc")
+    assert [i.id for i in one.data] == [asc[0].id] and one.has_more is True
+    assert [i.id for i in one] == [i.id for i in asc]  # paged by after=<last id>, one item a page
+    after = client.responses.input_items.list(second.id, after=asc[1].id, order="desc")
+    assert [i.id for i in after.data] == [asc[0].id] and after.has_more is False
+
+
+def test_input_items_carry_function_calls_and_outputs(client):
+    call = {"type": "function_call", "call_id": "call_7", "name": "get_weather",
+            "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "call_7", "output": '{"temperature": 18}'}
+    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Weather in Paris?"}, call, output],
+                                tools=[WEATHER], tool_choice="none", **GREEDY)  # fmt: skip
+    items = client.responses.input_items.list(r.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert (items[1].call_id, items[1].name, items[1].arguments) == ("call_7", "get_weather", call["arguments"])
+    assert (items[2].call_id, items[2].output) == ("call_7", output["output"])
+
+
+@pytest.mark.parametrize("query,param", [
+    ({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "ten"}, "limit"), ({"order": "newest"}, "order"),
+    ({"after": "msg_nope"}, "after"), ({"before": "x"}, "before"), ({"include": "message.output_text.logprobs"}, "include"),
+])  # fmt: skip
+def test_input_items_bad_query_is_a_400_naming_it(client, server, query, param):
+    r = client.responses.create(model=MODEL, input="Say yes.", **GREEDY)
+    got = httpx.get(f"{server}/v1/responses/{r.id}/input_items", params=query, timeout=30)
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
+
+
+def test_input_items_of_an_unknown_or_unstored_response_are_a_404(client):
+    unstored = client.responses.create(model=MODEL, input="Say no.", store=False, **GREEDY)
+    for rid in ("resp_nope", unstored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_items.list(rid)
+
+
 BAD = [
     ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
