@@ -1,7 +1,7 @@
 """The FastAPI application every host serves (the Serve ingress, the single-engine
-server): OpenAI routes and Anthropic's ``/v1/messages`` (``deploy/messages_api.py``) over
-an ``OpenAIServing``, the API key check, the body-size cap, the error envelope, and
-client-disconnect aborts.
+server): OpenAI routes and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``
+(``deploy/messages_api.py``) over an ``OpenAIServing``, the API key check, the body-size
+cap, the error envelope, and client-disconnect aborts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.deploy.errors import APIError, error_body
-from kvroute.deploy.messages_api import create_message
+from kvroute.deploy.messages_api import count_tokens, create_message
 from kvroute.deploy.messages_answer import error_body as messages_error_body
 from kvroute.deploy.protocol import (
     ChatCompletionRequest,
@@ -47,11 +47,12 @@ def build_api(
 ) -> FastAPI:
     """The ASGI app. ``metrics()`` returns (body, content type) for ``GET /metrics``;
     ``extra_routes(app)`` adds host-specific routes; ``response_store`` keeps what
-    ``/v1/responses`` stores (None: a bounded store in this process)."""
+    ``/v1/responses`` stores (None: one in this process, within the limits' bounds)."""
     app = FastAPI(title="kvroute", version="0.1.0", docs_url=None, redoc_url=None)
     _error_handlers(app)
     _openai_routes(app, serving)
-    add_responses_routes(app, serving, response_store or MemoryResponseStore(), _respond)
+    store = response_store or MemoryResponseStore(serving.limits.response_store_bounds())
+    add_responses_routes(app, serving, store, _respond)
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,6 +126,10 @@ def _openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request) -> Response:
         return await _respond(request, create_message(serving, await request.body()))
+
+    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_message_tokens(request: Request) -> Response:
+        return await _respond(request, count_tokens(serving, await request.body()))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

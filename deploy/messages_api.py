@@ -1,11 +1,13 @@
-"""The Anthropic Messages API (``POST /v1/messages``) as a translation onto the chat path.
+"""The Anthropic Messages API (``POST /v1/messages``, and ``/v1/messages/count_tokens``
+for a request's prompt size) as a translation onto the chat path.
 
-A Messages request is validated here field by field (Anthropic's fields; an unknown one
-is a 400 naming it, as on the OpenAI routes), translated into a chat completion request
-and served by ``OpenAIServing.prepare_chat`` and its ``Backend`` exactly as a chat
-request is: the same template, tool plan, structured output for forced calls, context
-check, routing and engine. ``deploy/messages_answer.py`` shapes the chat answer back
-into a message or Anthropic's events. No engine or tool machinery lives here.
+A Messages request, validated field by field (``deploy/messages_request.py``; an
+unknown field is a 400 naming it, as on the OpenAI routes), is translated into a chat
+completion request and served by ``OpenAIServing.prepare_chat`` and its ``Backend``
+exactly as a chat request is: the same template, tool plan, structured output for
+forced calls, context check, routing and engine. ``deploy/messages_answer.py`` shapes
+the chat answer back into a message or Anthropic's events. No engine or tool machinery
+lives here.
 
 The translation:
 
@@ -23,13 +25,7 @@ The translation:
   ``auto``/``required``/the named function/``none``, ``disable_parallel_tool_use`` as
   ``parallel_tool_calls: false``. Without ``tool_choice`` the chat path's default holds:
   ``auto`` where the server enables it (``--enable-auto-tool-choice``), else ``none``.
-- Accepted with no effect: ``metadata.user_id`` (an end-user id for the provider's abuse
-  monitoring; kvroute keeps no such record) and ``cache_control`` on blocks and tools
-  (the prefix cache holds every prompt's blocks without being asked;
-  ``cache_read_input_tokens`` reports what it served).
-- Refused with a 400 naming the block: image and document blocks (the served models
-  read text), thinking blocks (the Messages API does not carry
-  reasoning yet; the chat path does), and Anthropic's server tools.
+- What is accepted with no effect and what is refused: ``deploy/messages_request.py``.
 
 Errors are Anthropic's envelope, ``{"type": "error", "error": {"type", "message"}}``,
 with the chat path's status (``MessagesError``).
@@ -39,227 +35,21 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Awaitable, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import ValidationError
 
 from kvroute.deploy.errors import APIError
-from kvroute.deploy.messages_answer import error_body, message_body, message_events, message_id
-from kvroute.deploy.protocol import MAX_STOP_SEQUENCES, Answer, ChatCompletionRequest
-from kvroute.deploy.request_fields import NullableModel, Text, field_of
+from kvroute.deploy.messages_answer import message_body, message_events, message_id
+from kvroute.deploy.messages_request import (CountTokensRequest, MessagesError, MessagesRequest, Message, TextBlock,
+                                             ToolUseBlock, parse_request, validation_message)
+from kvroute.deploy.protocol import Answer, ChatCompletionRequest, PreparedRequest
 from kvroute.deploy.serving import OpenAIServing
 
-__all__ = ["MessagesError", "MessagesRequest", "create_message", "chat_request"]
+__all__ = ["MessagesError", "chat_request", "count_tokens", "create_message"]
 
 log = logging.getLogger(__name__)
-
-
-class MessagesError(APIError):
-    """An ``APIError`` whose body is Anthropic's error envelope (the app's ``APIError``
-    handler answers it with this body and its status)."""
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message)
-
-
-# ---------------------------------------------------------------------- the request
-class CacheControl(BaseModel):
-    """Anthropic's cache breakpoint: accepted with no effect (module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["ephemeral"]
-    ttl: Optional[Literal["5m", "1h"]] = None
-
-
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    cache_control: Optional[CacheControl] = None
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: Text
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: Text = Field(min_length=1)
-    name: Text = Field(min_length=1)
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: Text = Field(min_length=1)
-    content: Union[Text, list[TextBlock]] = ""
-    is_error: StrictBool = False
-
-    def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
-        return f"Error: {text}" if self.is_error else text
-
-
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["user", "assistant"]
-    content: Union[Text, list[Block]]
-
-    @model_validator(mode="after")
-    def _blocks_of_role(self) -> "Message":
-        kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
-        wrong = "tool_use" if self.role == "user" else "tool_result"
-        if wrong in kinds:
-            raise ValueError(f"content: {wrong} blocks belong in {'assistant' if wrong == 'tool_use' else 'user'} turns")
-        return self
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Text
-    description: Optional[Text] = None
-    input_schema: dict[str, Any]
-    type: Optional[Literal["custom"]] = None
-    cache_control: Optional[CacheControl] = None
-
-
-class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["auto", "any", "tool", "none"]
-    name: Optional[Text] = None
-    disable_parallel_tool_use: Optional[StrictBool] = None
-
-    @model_validator(mode="after")
-    def _name(self) -> "ToolChoice":
-        if (self.type == "tool") != (self.name is not None):
-            raise ValueError('name: give it with type "tool" (the tool to call), and only then')
-        return self
-
-
-class Metadata(BaseModel):
-    """``user_id`` is accepted with no effect (module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    user_id: Optional[Text] = Field(default=None, max_length=256)
-
-
-class MessagesRequest(NullableModel):
-    """A ``POST /v1/messages`` body (unknown fields refused; ``null`` is the default)."""
-
-    model: Text = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: StrictInt = Field(ge=1)
-    system: Optional[Union[Text, list[TextBlock]]] = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[StrictInt] = Field(default=None, ge=0)  # 0: no limit
-    stop_sequences: Optional[list[Text]] = None
-    stream: StrictBool = False
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[ToolChoice] = None
-    metadata: Optional[Metadata] = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _stops(cls, v: Optional[list[str]]) -> Optional[list[str]]:
-        if v is not None and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
-        if v is not None and not all(v):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
-
-    @model_validator(mode="after")
-    def _tool_choice(self) -> "MessagesRequest":
-        choice, names = self.tool_choice, [t.name for t in self.tools or ()]
-        if choice is not None and choice.type in ("any", "tool") and not names:
-            raise ValueError(f'tool_choice: type "{choice.type}" needs tools')
-        if choice is not None and choice.type == "tool" and choice.name not in names:
-            raise ValueError(f"tool_choice.name: {choice.name!r} is not one of the tools {names}")
-        return self
-
-
-# Blocks each place takes; any other is refused before validation, naming where it is.
-_TAKES = {"system": ("text",), "message": ("text", "tool_use", "tool_result"), "tool_result": ("text",)}
-_WHY = {
-    "image": "the served model reads text only",
-    "document": "the served model reads text only",
-    "thinking": "the Messages API does not carry reasoning (the chat API does, with --reasoning-parser)",
-    "redacted_thinking": "the Messages API does not carry reasoning (the chat API does, with --reasoning-parser)",
-}
-
-
-def _refuse_blocks(data: dict[str, Any]) -> None:
-    """A 400 for the first block of a kind this API does not take (image, document,
-    thinking, server tools), naming its place."""
-
-    def check(blocks: Any, where: str, takes: tuple[str, ...]) -> None:
-        if not isinstance(blocks, list):
-            return
-        for j, block in enumerate(blocks):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind not in takes:
-                why = _WHY.get(kind, f"{where} takes {', '.join(takes)} blocks")
-                raise MessagesError(400, f"{where}[{j}]: {kind} blocks are not supported: {why}")
-            if kind == "tool_result":
-                check(block.get("content"), f"{where}[{j}].content", _TAKES["tool_result"])
-
-    check(data.get("system"), "system", _TAKES["system"])
-    for i, message in enumerate(data.get("messages") or ()):
-        if isinstance(message, dict):
-            check(message.get("content"), f"messages[{i}].content", _TAKES["message"])
-
-
-def parse_request(raw: bytes) -> MessagesRequest:
-    """The validated request from the body's bytes (``MessagesError`` 400 naming the field)."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MessagesError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise MessagesError(400, "the request body must be a JSON object")
-    _refuse_blocks(data)
-    try:
-        return MessagesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise MessagesError(400, _validation_message(exc)) from None
-
-
-def _validation_message(exc: ValidationError, renames: Optional[dict[str, str]] = None) -> str:
-    """The first error as ``path: what`` (pydantic's union tags left out of the path;
-    ``renames``: the chat path's names for this API's fields)."""
-    errors = exc.errors()
-    # a check that ran past the type test, else the union member that got furthest
-    first = max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
-    path, prev = "", None
-    for part in first.get("loc", ()):
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif "[" in part or part in _TYPE_TAGS or (part in _TAKES["message"] and isinstance(prev, int)):
-            pass  # a union member's tag (a type, or a block's type right after its index), not a field
-        else:
-            path += f".{part}" if path else part
-        prev = part
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    for old, new in (renames or {}).items():
-        path, msg = path.replace(old, new), msg.replace(old, new)
-    if first.get("type") == "missing":
-        return f"{path}: required"
-    if first.get("type") == "extra_forbidden":
-        return f"{path}: unknown field; kvroute's Messages API does not implement it (docs/api.md lists the fields it takes)"
-    if not path:
-        return msg
-    return f"{path}.{msg}" if field_of(msg) else f"{path}: {msg}"  # a check over a model names its field first
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-wrap"}
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------- the translation
@@ -352,20 +142,50 @@ def _messages_error(exc: APIError) -> MessagesError:
 async def create_message(serving: OpenAIServing, raw: bytes) -> Answer:
     """Serve one ``POST /v1/messages`` body through the chat path: the message as a
     dict, or Anthropic's SSE events. Every failure is a ``MessagesError``."""
-    try:
+
+    async def serve() -> Answer:
         req = parse_request(raw)
-        chat = chat_request(req)
-        try:
-            chat_req = ChatCompletionRequest.model_validate(chat)
-        except ValidationError as exc:
-            raise MessagesError(400, _validation_message(exc, _CHAT_NAMES)) from None
-        prepared = await serving.prepare_chat(chat_req, json.dumps(chat).encode())
+        prepared = await _prepare(serving, req)
         answer = await serving.backend.answer(prepared)
         stops = req.stop_sequences or ()
         msg_id = message_id(prepared.request_id)
         if isinstance(answer, dict):
             return message_body(answer, msg_id, prepared.model, stops)
         return message_events(answer, msg_id, prepared.model, len(prepared.prompts[0]), stops)
+
+    return await _anthropic_errors(serve(), "POST /v1/messages")
+
+
+async def count_tokens(serving: OpenAIServing, raw: bytes) -> dict[str, Any]:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt's tokens
+    as ``/v1/messages`` would send the same conversation, system prompt and tools to the
+    engine (the same checks, translation, template and tokenizer: the request is
+    prepared as a one-token message and not run). Every failure is a ``MessagesError``."""
+
+    async def count() -> dict[str, Any]:
+        conversation = parse_request(raw, CountTokensRequest)
+        prepared = await _prepare(serving, MessagesRequest(**dict(conversation), max_tokens=1))
+        return {"input_tokens": len(prepared.prompts[0])}
+
+    return await _anthropic_errors(count(), "POST /v1/messages/count_tokens")
+
+
+async def _prepare(serving: OpenAIServing, req: MessagesRequest) -> PreparedRequest:
+    """``req`` as the chat request that serves it, checked, templated and tokenized by
+    the chat path."""
+    chat = chat_request(req)
+    try:
+        chat_req = ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise MessagesError(400, validation_message(exc, _CHAT_NAMES)) from None
+    return await serving.prepare_chat(chat_req, json.dumps(chat).encode())
+
+
+async def _anthropic_errors(work: Awaitable[T], route: str) -> T:
+    """``work``'s result; whatever it raises as a ``MessagesError`` (the chat path's
+    errors with this API's field names, a ValueError a 400, anything else a 500)."""
+    try:
+        return await work
     except MessagesError:
         raise
     except APIError as exc:
@@ -373,5 +193,5 @@ async def create_message(serving: OpenAIServing, raw: bytes) -> Answer:
     except ValueError as exc:
         raise MessagesError(400, str(exc)) from None
     except Exception as exc:
-        log.exception("POST /v1/messages failed")
+        log.exception("%s failed", route)
         raise MessagesError(500, f"internal error: {type(exc).__name__}: {exc}") from None

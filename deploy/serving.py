@@ -42,6 +42,7 @@ from kvroute.deploy.protocol import (
 )
 from kvroute.deploy.reasoning import ReasoningServing
 from kvroute.deploy.request_fields import field_of
+from kvroute.deploy.response_store import StoreBounds
 from kvroute.deploy.served_models import AdapterHost, ServedModels
 from kvroute.deploy.tool_calls import template_messages
 from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
@@ -78,6 +79,17 @@ class ServerLimits(BaseModel):
     api_key: Optional[str] = Field(default=None, min_length=1)
     structured_output_timeout_s: float = Field(default=COMPILE_TIMEOUT_S, gt=0,
                                                description="a grammar that compiles slower is refused (400)")
+    # what /v1/responses keeps for GET and previous_response_id (least recently used evicted first)
+    response_store_max_entries: int = Field(default=StoreBounds.max_entries, ge=1, description="stored responses")
+    response_store_max_mib: float = Field(default=StoreBounds.max_bytes / 2**20, gt=0, allow_inf_nan=False,
+                                          description="stored responses' JSON, in MiB")  # fmt: skip
+    response_store_ttl_s: float = Field(default=StoreBounds.ttl_s, gt=0, allow_inf_nan=False,
+                                        description="how long a stored response is kept")  # fmt: skip
+
+    def response_store_bounds(self) -> StoreBounds:
+        """The response store's bounds these limits give."""
+        return StoreBounds(self.response_store_max_entries, max(1, int(self.response_store_max_mib * 2**20)),
+                           self.response_store_ttl_s)  # fmt: skip
 
 
 class OpenAIServing:

@@ -195,6 +195,57 @@ def test_tool_loop(client, server, stream):
     assert _text(final) == chat["choices"][0]["message"]["content"]
 
 
+# ---------------------------------------------------------------------- count_tokens
+def _served_prompt(client: Any, **kw: Any) -> int:
+    """The prompt tokens a one-token message with these fields was served with."""
+    m = client.messages.create(model=MODEL, max_tokens=1, **GREEDY, **kw)
+    return m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("case", ["plain", "system_and_tools", "tool_loop", "prefill"])
+def test_count_tokens_is_the_prompt_a_message_is_served_with(client, case):
+    """``messages.count_tokens`` counts what ``messages.create`` sends the engine for the
+    same conversation: the same translation, template (tools included) and tokenizer."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "celsius"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]}
+    kw: dict[str, Any] = {
+        "plain": dict(messages=ASK),
+        "system_and_tools": dict(system=[{"type": "text", "text": "You are a weather bot."}], messages=ASK,
+                                 tools=[WEATHER, TRIP], tool_choice={"type": "tool", "name": "get_weather"}),
+        "tool_loop": dict(messages=[*ASK, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}],
+                          tools=[WEATHER]),
+        "prefill": dict(messages=[*TRIP_ASK, {"role": "assistant", "content": "Day one:"}]),
+    }[case]  # fmt: skip
+    counted = client.messages.count_tokens(model=MODEL, **kw)
+    assert counted.input_tokens == _served_prompt(client, **kw) > 0
+    if case == "system_and_tools":  # the tools are in the count
+        assert counted.input_tokens > client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens + 50
+
+
+def test_count_tokens_validates_as_messages_does(client, server):
+    url = server + "/v1/messages/count_tokens"
+    refused = {  # body -> the start of Anthropic's error message
+        "max_tokens": ({"model": MODEL, "messages": ASK, "max_tokens": 8}, "max_tokens: unknown field"),
+        "no messages": ({"model": MODEL, "messages": []}, "messages:"),
+        "image": ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                  "messages[0].content[0]: image blocks"),
+        "any without tools": ({"model": MODEL, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice:"),
+        "unanswered result": ({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]}, "messages[0].content[0].tool_use_id"),
+        "past the context": ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, "the prompt has"),
+    }  # fmt: skip
+    for name, (body, message) in refused.items():
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", (name, error)
+        assert error["error"]["message"].startswith(message), (name, error)
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        client.messages.count_tokens(model="claude-nonexistent", messages=ASK)
+    assert _error(exc.value)[:2] == (404, "not_found_error")
+    assert httpx.post(url, content=b"{nope", timeout=30).json()["error"]["message"].startswith("the request body is not")
+
+
 # ---------------------------------------------------------------------- errors
 def _error(exc: Any) -> tuple[int, str, str]:
     body = exc.response.json()
@@ -233,10 +284,15 @@ def test_x_api_key_and_body_cap(tiny_llama_path):
         ok = anthropic.Anthropic(base_url=url, api_key="s3cret", max_retries=0, timeout=60)
         m = ok.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
         assert m.usage.output_tokens >= 1
+        assert ok.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens == \
+            m.usage.input_tokens + m.usage.cache_read_input_tokens  # fmt: skip
         with pytest.raises(anthropic.AuthenticationError) as exc:
             anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
                 model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])  # fmt: skip
         assert _error(exc.value)[:2] == (401, "authentication_error")
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}])  # fmt: skip
         bearer = httpx.post(url + "/v1/messages", headers={"Authorization": "Bearer s3cret"}, timeout=60,
                             json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert bearer.status_code == 200, bearer.text
