@@ -89,7 +89,7 @@ def serve_config(
     proxy_location: str = "EveryNode",
 ) -> dict[str, Any]:
     """A Serve config built from ``deploy/serve.yaml`` (its shape and fields), with the
-    small test engine, ``torch_threads: 1``, ``num_replicas`` engine replicas of 1 CPU,
+    small test engine, ``torch_threads: 1``, routers of 0.1 CPU, ``num_replicas`` engine replicas of 1 CPU,
     a proxy on every node that has a replica (and the head) listening on 0.0.0.0:8000,
     (``pin_ingress_to_head``) the ingress on the head, and (``one_replica_per_node``)
     Serve's ``max_replicas_per_node: 1`` for the engine: one replica per worker, and a
@@ -106,6 +106,9 @@ def serve_config(
     engine = {k: v for k, v in llm.get("engine_kwargs", {}).items() if k != "kv_cache_memory_gb"}
     llm["engine_kwargs"] = {**engine, **SMALL_ENGINE, **(engine_kwargs or {})}
     llm["torch_threads"] = 1
+    # a router reserves 0.1 CPU (the product's default is 0.5): a new generation's router
+    # then fits beside the old one's on a 2-CPU worker instead of waiting for it to end
+    llm["router_num_cpus"] = 0.1
     dep = llm["deployment_config"]
     dep["num_replicas"] = num_replicas
     dep["ray_actor_options"] = {"num_cpus": 1}

@@ -1,8 +1,8 @@
 """Operating kvroute on the three-node cluster (``conftest.py``): the workers mode
 with a ``serve-replica`` worker on another node publishing KV events on its own
 address; a ``serve deploy`` of a changed config (engine, router count, an API key from
-the application's ``runtime_env``) while requests stream; an unchanged redeploy that
-keeps every replica. Runs after ``test_multinode.py`` and leaves the application in its
+the application's ``runtime_env``, the ingress spread over the workers) while requests
+stream; an unchanged redeploy that keeps every replica. Runs after ``test_multinode.py`` and leaves the application in its
 last config (the package's cluster ends after it)."""
 
 from __future__ import annotations
@@ -87,16 +87,20 @@ def test_workers_mode_routes_to_a_worker_on_another_node_from_its_own_events(net
 
 def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fleet(netns_cluster, kvroute_app):
     """While four streams run, ``serve deploy`` of a changed config: another engine
-    setting (a new generation of replicas and routers), two routers instead of one, and
-    an API key that reaches the ingress only through the application's
-    ``runtime_env.env_vars`` (with ``require_api_key``). No stream fails; afterwards the
+    setting (a new generation of replicas and routers), two routers instead of one, an
+    ingress on each worker instead of one on the head, and an API key that reaches the
+    ingress only through the application's ``runtime_env.env_vars`` (with
+    ``require_api_key``). No stream fails; afterwards the
     new generation serves with both routers, the key is enforced, routing is
     cache-aware; a second deploy of the same config keeps every replica."""
     cluster = netns_cluster
     head = cluster.head.url()
     before = health(head)
     assert before["status_code"] == 200 and before["routers"] == "1/1"
-    new = serve_config(engine_kwargs={"max_num_seqs": 6}, ingress={"require_api_key": True})
+    # the ingress spread over the workers as well (test_survival.py's placement, so its
+    # deploy of this config changes nothing and starts no new generation)
+    new = serve_config(engine_kwargs={"max_num_seqs": 6}, pin_ingress_to_head=False,
+                       ingress={"require_api_key": True, "num_replicas": 2, "max_replicas_per_node": 1})  # fmt: skip
     app = new["applications"][0]
     app["args"]["llm_configs"][0]["num_routers"] = 2
     app["runtime_env"] = {"env_vars": {"KVROUTE_API_KEY": KEY}}

@@ -3,7 +3,9 @@
 application's last config (``test_redeploy_and_workers.py``'s, or the package's own),
 with the product's placement for it: an ingress on each worker
 (``ingress.num_replicas: 2, max_replicas_per_node: 1``; each node's Serve proxy prefers
-its own node's ingress) and a router on each (``num_routers: 2``, spread)."""
+its own node's ingress) and a router on each (``num_routers: 2``, spread). After
+``test_redeploy_and_workers.py`` the config already has that placement, and the deploy
+here changes nothing."""
 
 from __future__ import annotations
 
