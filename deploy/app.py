@@ -156,7 +156,8 @@ class OpenAIIngress:
                                      self.parts.adapters, parsed.ingress.tool_config(), defaults)  # fmt: skip
         self.reporter = IngressReporter(self.router_actors, self.accuracy, self.parts.routing_stats)
         # /v1/responses' stored responses: one store per application, so any ingress continues any response
-        self.response_store = RemoteResponseStore(get_or_create_response_store(config.app_name))
+        store = get_or_create_response_store(config.app_name, limits.response_store_bounds())
+        self.response_store = RemoteResponseStore(store)
 
     async def check_health(self) -> None:
         """Serve's periodic health check; in front of workers it tells the pool an

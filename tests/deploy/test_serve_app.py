@@ -396,10 +396,16 @@ def _check_response(status: int, content: bytes, content_type: str, elapsed_s: f
         assert err["type"] != "server_error", err
     elif content_type.startswith("text/event-stream"):
         for line in content.decode().splitlines():
-            if line.startswith("data: {") and '"error"' in line:
-                err = json.loads(line[6:])["error"]
-                # A stream may end in an error event (its deadline), never an internal one.
-                assert err["type"] != "server_error", err
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            # chat/completions put an error object at the top; the Responses API sends {"type": "error", ...}
+            err = event.get("error") if isinstance(event.get("error"), dict) else None
+            if event.get("type") == "error":
+                err = event
+            # A stream may end in an error event (its deadline), never an internal one.
+            if err is not None:
+                assert err.get("type") != "server_error" and err.get("code") != "server_error", err
 
 
 def test_hostile_table_through_serve(app):
