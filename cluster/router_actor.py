@@ -18,6 +18,7 @@ how old a peer's decision was when it arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import statistics
@@ -208,9 +209,8 @@ class RouterService:
             if self._outbox:
                 self._queued.set()
         # the Router's fresh decision, completed with what the caller tries next
-        decision.fallbacks = [*self.router.fallbacks(known, decision.replica_id), *unknown]
-        decision.router_load = self.load()
-        return decision
+        return dataclasses.replace(decision, fallbacks=[*self.router.fallbacks(known, decision.replica_id), *unknown],
+                                   router_load=self.load())  # fmt: skip
 
     # ------------------------------------------------------------------ peers
     def _flush_peers(self, force: bool = False) -> None:

@@ -42,7 +42,13 @@ class LoadFigures:
 
     ``max_requests``: the most requests its serving layer hands it at once (Ray Serve's
     ``max_ongoing_requests``; 0: no cap). One holding that many is passed over for the
-    replica with the shortest queue, whatever its cache or adapters hold."""
+    replica with the shortest queue, whatever its cache or adapters hold.
+
+    ``kv_bytes_per_token``, ``pull_bytes_per_s`` and ``pull_setup_s``: what pulling a
+    cached prefix from another replica into this one costs (its KV bytes per token, the
+    bandwidth it measured or its emulation profile models, and the fixed part of a
+    pull), reported only by a host that acts on a router's pull (0: it does not; a
+    router then never asks it to pull)."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -60,6 +66,9 @@ class LoadFigures:
     release_s: float = 0.0
     release_blocks: int = 0
     max_requests: int = 0
+    kv_bytes_per_token: int = 0
+    pull_bytes_per_s: float = 0.0
+    pull_setup_s: float = 0.0
 
 
 @dataclass(frozen=True)

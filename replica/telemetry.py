@@ -26,6 +26,8 @@ class ReplicaTelemetry:
         # () -> (adapters resident in device slots, seconds a slot load takes); None: no adapters
         self.lora_state: Callable[[], tuple[tuple[str, ...], float]] | None = None
         self.max_requests = 0  # the serving layer's cap on requests at once (EngineConfig.max_requests)
+        # () -> (KV bytes per token, pull bytes/s, pull setup s), set by a host that acts on pulls; None: it does not
+        self.pull_state: Callable[[], tuple[int, float, float]] | None = None
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
         """Fold one step's duration into the prefill rate and the step cost model
@@ -52,6 +54,7 @@ class ReplicaTelemetry:
         slots = s.config.max_loras
         running = tuple(sorted({r.lora_name for r in s.running if r.lora_name is not None})) if slots else ()
         release_s, release_blocks = self._release()
+        kv_bytes, pull_rate, pull_setup = (0, 0.0, 0.0) if self.pull_state is None else self.pull_state()
         return LoadFigures(
             num_waiting=len(s.waiting),
             num_running=len(s.running),
@@ -69,6 +72,9 @@ class ReplicaTelemetry:
             release_s=release_s,
             release_blocks=release_blocks,
             max_requests=self.max_requests,
+            kv_bytes_per_token=kv_bytes,
+            pull_bytes_per_s=pull_rate,
+            pull_setup_s=pull_setup,
         )
 
     def _release(self) -> tuple[float, int]:

@@ -237,6 +237,14 @@ class BlockDirectory:
             out[pos[m]] = d
         return out
 
+    def confirmed_depths(self, block_hashes: Sequence[BlockHash], selection: Selection) -> list[int]:
+        """Leading blocks of ``block_hashes`` each of the selection's replicas has
+        confirmed (pending runs left out: what a replica can hand over now)."""
+        if not block_hashes:
+            return [0] * len(selection.replicas)
+        depth = self._confirmed.depths(block_hashes, selection.alive)
+        return [depth.get(rep.confirmed.mask, 0) for rep in selection.replicas]
+
     def host_depths(self, block_hashes: Sequence[BlockHash], selection: Selection, depths: Sequence[int]) -> list[int] | None:
         """For each of the selection's replicas, how many blocks past ``depths[i]`` (its
         device match) its host tier holds in a row; None when no candidate has a host

@@ -265,8 +265,18 @@ class LoadView:
             max_loras=f.max_loras,
             release_s=f.release_s,
             release_blocks=f.release_blocks,
+            kv_bytes_per_token=f.kv_bytes_per_token,
+            pull_bytes_per_s=f.pull_bytes_per_s,
+            pull_setup_s=f.pull_setup_s,
         )
         return cached
+
+    def pulls(self, getter: Callable[[list], Sequence] | None) -> tuple[list[int], list[float], list[float]]:
+        """For the candidates ``getter`` selects: each one's ``kv_bytes_per_token``,
+        ``pull_bytes_per_s`` and ``pull_setup_s`` as last reported."""
+        figures = self._figures if getter is None else getter(self._figures)
+        return ([f.kv_bytes_per_token for f in figures], [f.pull_bytes_per_s for f in figures],
+                [f.pull_setup_s for f in figures])  # fmt: skip
 
     def releases(self, getter: Callable[[list], Sequence] | None) -> tuple[list[float], list[int]]:
         """For the candidates ``getter`` selects: each one's ``release_s`` and

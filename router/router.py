@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
@@ -192,14 +193,16 @@ class Router:
         except ValueError:
             raise AssertionError(f"policy {policy.name!r} chose {chosen!r}, not a candidate") from None
         cached = self._cap(held, num_tokens)
-        decision.available_tokens = max(self._cap(request.table.longest(), num_tokens), decision.expected_cached_tokens)
+        if decision.pull_from is not None:  # the prefix arrives by a pull: only the rest is queued prefill
+            cached = max(cached, decision.expected_cached_tokens)
         if held < len(block_hashes):
             self.directory.add_pending(chosen, block_hashes, start=held)
         # tickets follow the wall clock (microseconds) and every ticket seen
         # (_observe_ticket), so several routers' tickets order like their decisions and a
         # replica's highest accepted ticket covers them all
         self._ticket = ticket = max(self._ticket + 1, time.time_ns() // 1000)
-        decision.ticket = ticket
+        available = max(self._cap(request.table.longest(), num_tokens), decision.expected_cached_tokens)
+        decision = replace(decision, available_tokens=available, ticket=ticket)
         self.loads.on_routed(chosen, num_tokens - cached, ticket, lora_name)
         policy.on_routed(request, decision)
         self._reasons[decision.reason] += 1
@@ -252,6 +255,7 @@ class Router:
             cs.ids, depths, *self.loads.columns(cs.loads), lambda positions: rooms(selection, positions)
         )
         table.release = lambda: self.loads.releases(cs.loads)
+        table.pull = lambda: (*self.loads.pulls(cs.loads), self.directory.confirmed_depths(block_hashes, selection))
         table.max_requests = self.loads.max_requests
         table.host_depth = self.directory.host_depths(block_hashes, selection, depths)
         if table.host_depth is not None:

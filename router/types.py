@@ -35,7 +35,7 @@ class RouteRequest:
         return self.block_hashes if self.unsalted_hashes is None else self.unsalted_hashes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     """A routing decision as the router makes it: where a request goes
     (``replica_id``; None: no router decided, reason "fallback"), how many of its tokens
@@ -53,7 +53,14 @@ class RouteDecision:
     candidates in the order to try them when the choice is full (best first: ``order``);
     ``router_load``, the answering router process's CPU use in cores
     (``RouterService.load``); ``failovers`` and ``spills``, the routers the caller
-    went past to get this answer (one that failed; a busy one: ``RouterChoice``)."""
+    went past to get this answer (one that failed; a busy one: ``RouterChoice``).
+
+    Set by a policy that prices moving KV (``router/policies/kv_pull_pricing.py``):
+    ``pull_from``, the replica the chosen one pulls the request's prefix from before it
+    runs the request (None: no pull), and ``pull_tokens``, the prefix's tokens the pull
+    should leave cached there (whole blocks; ``expected_cached_tokens`` counts them).
+
+    Frozen: whoever completes a decision makes a new one (``dataclasses.replace``)."""
 
     replica_id: ReplicaId | None
     expected_cached_tokens: int
@@ -64,6 +71,8 @@ class RouteDecision:
     router_load: float = 0.0
     failovers: int = 0
     spills: int = 0
+    pull_from: ReplicaId | None = None
+    pull_tokens: int = 0
 
     @property
     def order(self) -> list[str]:
@@ -163,12 +172,16 @@ class CandidateTable:
     ``max_requests``: the most requests a replica accepts at once (the serving layer's
     cap, Ray Serve's ``max_ongoing_requests``; 0: none): one holding that many passes
     a request on to another by queue length, not by cache or adapter.
+    ``pull()`` gives, when asked (a request whose prefix some candidate holds), each
+    candidate's ``kv_bytes_per_token``, ``pull_bytes_per_s`` and ``pull_setup_s`` as
+    reported (``LoadFigures``) and its confirmed depth (``depth`` without pending runs:
+    what it can hand over now); None: the view cannot tell, and nobody pulls.
     """
 
     __slots__ = (
         "candidates", "depth", "queued", "rate", "running", "decode_step", "interference", "queue_len",
         "backlog", "free_blocks", "measured", "queued_s", "unpriced", "room", "host_depth", "host_rate",
-        "adapter_cold", "adapter_load_s", "adapter_blocked", "release", "max_requests",
+        "adapter_cold", "adapter_load_s", "adapter_blocked", "release", "max_requests", "pull",
     )  # fmt: skip
 
     def __init__(
@@ -209,6 +222,7 @@ class CandidateTable:
         self.adapter_blocked: Sequence[bool] | None = None
         self.release: Callable[[], tuple[Sequence[float], Sequence[int]]] | None = None
         self.max_requests = 0
+        self.pull: Callable[[], tuple[Sequence[int], Sequence[float], Sequence[float], Sequence[int]]] | None = None
 
     def longest(self) -> int:
         """The most leading blocks any candidate holds, counting both tiers."""
@@ -263,4 +277,6 @@ class CandidateTable:
             room,
         )
         table.release = lambda: ([ld.release_s for ld in loads], [ld.release_blocks for ld in loads])
+        table.pull = lambda: ([ld.kv_bytes_per_token for ld in loads], [ld.pull_bytes_per_s for ld in loads],
+                              [ld.pull_setup_s for ld in loads], depth)  # fmt: skip
         return table

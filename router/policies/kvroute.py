@@ -31,8 +31,11 @@ smallest TTFT. An owner whose TTFT is within ``best`` plus its share
 candidate has a queue), and the longest eligible prefix wins. With no owner eligible:
 a new prefix goes to the roomiest cache among the near-best, then (where that one must
 evict) the one serving the fewest live prefixes, anything else to ``best``.
+With ``pulls``, a candidate whose recompute a pull of the deepest match from its least
+loaded holder beats takes the pull's TTFT instead (``kv_pull_pricing.py``), and a
+decision placing the request there names the source (``pull_from``, ``pull_tokens``).
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
-another holds), ``load`` (a shorter one). Why each rule: ``router/POLICIES.md``.
+another holds), ``load`` (a shorter one), ``pull``. Why each rule: ``router/POLICIES.md``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import ClassVar, Sequence
 from kvroute.router.adapter_sets import AdapterDemand, cheapest, slot_price
 from kvroute.router.eviction import ReuseValue, eviction_seconds, kv_admissible
 from kvroute.router.live_prefixes import LivePrefixes
+from kvroute.router.policies.kv_pull_pricing import DEFAULT_PULL_BYTES_PER_S, DEFAULT_PULL_SETUP_S, PullPricing
 from kvroute.router.policy import ClusterView, Policy
 from kvroute.router.survival import survive
 from kvroute.router.types import CandidateTable, ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
@@ -84,6 +88,9 @@ class KVRoutePolicy(Policy):
         max_reuse: float = 4.0,
         balance_prefixes: bool = True,
         live_horizon: int = 2048,
+        pulls: bool = True,
+        default_pull_bytes_per_s: float = DEFAULT_PULL_BYTES_PER_S,
+        default_pull_setup_s: float = DEFAULT_PULL_SETUP_S,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -119,6 +126,8 @@ class KVRoutePolicy(Policy):
         self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
         self.reuse = ReuseValue(reuse_half_life, max_reuse)
         self.live = LivePrefixes(live_horizon) if balance_prefixes else None  # new prefixes: the fewest live first
+        pricing = PullPricing(default_pull_bytes_per_s, default_pull_setup_s)  # (checks the defaults either way)
+        self.pulls = pricing if pulls else None  # move a held prefix where that beats recomputing it
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:
         """(the fleet's prefill tokens/s, the decode step s of a replica not measured
@@ -247,14 +256,21 @@ class KVRoutePolicy(Policy):
         top = est.top
         blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
         cheap = None if slots is None else cheapest(slots)
+        figures = None if self.pulls is None or not est.longest else self.pulls.possible(table)
         if (top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit)
                 and not (blocked and blocked[top]) and (cheap is None or cheap[top])):  # fmt: skip
-            if self._clear_owner(est, n, saturated):
+            pull_lb = inf if figures is None else self.pulls.lower_bound(  # type: ignore[union-attr]
+                table, est.waits, n, block_size, est.fleet_rate)
+            if self._clear_owner(est, n, saturated, pull_lb):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
         own = [n] * len(qlen)
         for i, c in est.cached.items():
             own[i] -= c
         ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
+        offers = {} if figures is None else self.pulls.offers(  # type: ignore[union-attr]
+            table, figures, n, block_size, est.waits, est.interference, est.fleet_rate, self.step_tokens, ts)
+        for i, offer in offers.items():  # a pull beats recomputing there: its TTFT
+            ts[i] = offer.ttft
         if (self.eviction and table.room is not None and est.longest and self.reuse.value > 0
                 and est.cached.get(ts.index(min(ts)), 0) < est.longest):  # fmt: skip
             # a copy evicts as much as it computes (priced only where an owner is not the fastest already)
@@ -276,6 +292,10 @@ class KVRoutePolicy(Policy):
         pick = self._eligible_owner(est, ts, ok, best, n, saturated, qlen)
         if pick < 0:
             pick = self._place(table, est, ts, ok, best, num_blocks, key, slots)
+        offer = offers.get(pick)
+        if offer is not None:
+            return RouteDecision(table.candidates[pick], offer.cached, "pull", pull_from=table.candidates[offer.source],
+                                 pull_tokens=offer.blocks_from * block_size)  # fmt: skip
         c = est.cached.get(pick, 0)
         return RouteDecision(table.candidates[pick], est.held.get(pick, c), _reason(c, est.longest))
 
@@ -318,14 +338,14 @@ class KVRoutePolicy(Policy):
             est.own_ts = dict(zip(owners, own))
         return est
 
-    def _clear_owner(self, est: "_Estimate", n: int, saturated: bool) -> bool:
+    def _clear_owner(self, est: "_Estimate", n: int, saturated: bool, pull_lb: float = inf) -> bool:
         """Whether the one owner with the longest prefix (admissible, nobody KV-short)
         is eligible, without the other candidates' TTFTs: ``lb`` (the shortest wait's
         uncached TTFT without interference, or an owner's) bounds the best admissible
         TTFT from below, and the slack grows with the best, so an owner within the
         slack of ``lb`` is within the slack of the best, and the unique longest
-        eligible owner wins the full pass too."""
-        lb = min(min(est.waits) + n / est.fleet_rate, min(est.own_ts.values()))
+        eligible owner wins the full pass too. ``pull_lb`` bounds a pull's TTFT likewise."""
+        lb = min(min(est.waits) + n / est.fleet_rate, min(est.own_ts.values()), pull_lb)
         return est.own_ts[est.top] <= lb + self._per_token(lb, n, est.fleet_rate, saturated) * est.longest
 
     def _eligible_owner(

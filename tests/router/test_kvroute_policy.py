@@ -346,7 +346,7 @@ def test_owner_shortcut_decides_as_the_full_pass():
     from kvroute.router.types import CandidateTable
 
     rng = random.Random(7)
-    fired = 0
+    fired = pulled = 0
     for trial in range(3000):
         k = rng.randint(1, 8)
         n = rng.randint(1, 4000)
@@ -377,15 +377,22 @@ def test_owner_shortcut_decides_as_the_full_pass():
             unpriced,
             lambda positions: [50 + i for i in positions],  # room: the later candidates' caches are roomier
         )
+        if rng.random() < 0.5:  # replicas that can pull (some not: 0 bytes per token), at random bandwidths
+            pull = ([rng.choice([0, 36_864, 36_864]) for _ in range(k)], [rng.choice([0.0, 1e8, 1e10]) for _ in range(k)],
+                    [rng.choice([0.0, 0.001, 0.5]) for _ in range(k)],
+                    [rng.choice([d, d, rng.randint(0, d)]) for d in depth])  # confirmed: some pending  # fmt: skip
+            table.pull = lambda pull=pull: pull
         kw = dict(saturated_stick=rng.random() < 0.7, slack_rel=rng.choice([1.0, 1.2, 2.0]))
         fast = KVRoutePolicy(**kw).choose_from(table, n, 16, blocks)
         full = _NoShortcut(**kw).choose_from(table, n, 16, blocks)
-        assert (fast.replica_id, fast.expected_cached_tokens, fast.reason) == (
-            full.replica_id, full.expected_cached_tokens, full.reason,
+        assert (fast.replica_id, fast.expected_cached_tokens, fast.reason, fast.pull_from) == (
+            full.replica_id, full.expected_cached_tokens, full.reason, full.pull_from,
         ), (trial, n, kw, depth, table.queued, rate, step, running, waiting, free)
+        pulled += fast.pull_from is not None
         owners = [d for d in depth if d]
         fired += bool(owners) and owners.count(max(owners)) == 1 and fast.reason == "prefix"
     assert fired > 300  # tables where the shortcut may decide (one longest owner, and it won) were common
+    assert pulled > 100, pulled  # and tables where a pull won
 
 
 def test_ties_are_broken_by_the_first_block_so_lagging_routers_agree():

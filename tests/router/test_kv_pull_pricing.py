@@ -1,0 +1,107 @@
+"""Pull against recompute against wait (``router/policies/kv_pull_pricing.py``) through
+the ``Router``: replicas report their caches and load figures as KV events, and the
+frozen decision names where the request runs and where its prefix comes from."""
+
+import dataclasses
+
+import pytest
+
+from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.replica.kv_events import KVEvents, LoadFigures
+from kvroute.router.policies.kv_pull_pricing import PullPricing
+from kvroute.router.router import Router
+from kvroute.router.types import RouteDecision
+
+SPEC = HashSpec(16)
+PREFIX = list(range(1000, 1000 + 16 * 125))  # 2,000 tokens: 125 blocks
+PROMPT = PREFIX + list(range(5, 45))  # + 40 tokens of question
+H = hash_blocks(SPEC, PROMPT)
+RATE = 2_000.0  # prefill tokens/s: a CPU replica, a 2,000-token prefill takes 1 s
+KV = 46_080  # SmolLM2-135M's KV bytes per token in fp32 (30 layers × K, V × 3 heads × 64 × 4)
+FAST = dict(kv_bytes_per_token=KV, pull_bytes_per_s=1e9, pull_setup_s=0.01)  # 92 MB in 0.1 s
+
+
+def _router(loads: dict[str, LoadFigures], held: dict[str, int], **policy) -> Router:
+    r = Router("kvroute", 16, **policy)
+    for rid, load in loads.items():
+        r.add_replica(rid, 4096)
+        r.apply(KVEvents(rid, 1, stored=H[: held.get(rid, 0)], load=load))
+    return r
+
+
+def _load(queued: int = 0, waiting: int = 0, **pull) -> LoadFigures:
+    return LoadFigures(num_waiting=waiting, queued_prefill_tokens=queued, queued_prefill_s=queued / RATE,
+                       prefill_tokens_per_s=RATE, decode_step_s=0.02, **pull)  # fmt: skip
+
+
+def test_a_busy_owner_sends_the_request_to_an_idle_replica_that_pulls_from_the_least_loaded_holder():
+    loads = {"a": _load(8_000, 4, **FAST), "b": _load(4_000, 2, **FAST), "c": _load(**FAST)}
+    router = _router(loads, {"a": 125, "b": 125})
+    d = router.route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from, d.pull_tokens) == ("c", "pull", "b", 2000)
+    assert d.expected_cached_tokens == d.available_tokens == 2000
+    # the router queued only what c computes after the pull, not the whole prompt
+    assert router.load("c").queued_prefill_tokens == len(PROMPT) - 2000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.pull_from = "a"  # type: ignore[misc]
+
+
+def test_a_partial_holder_pulls_only_the_blocks_it_lacks_and_the_price_counts_them():
+    loads = {"a": _load(8_000, 4, **FAST), "c": _load(**FAST)}
+    router = _router(loads, {"a": 125, "c": 100})
+    d = router.route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from, d.pull_tokens, d.expected_cached_tokens) == ("c", "pull", "a", 2000, 2000)
+    pricing, table = PullPricing(), router.candidate_table(H, ["a", "c"])
+    assert table.depth == [125, 127]  # c: its pending run (the pull, then its own blocks)
+    table.depth = [125, 100]  # as before the decision
+    figures = pricing.possible(table)
+    assert figures is not None
+    offers = pricing.offers(table, figures, len(PROMPT), 16, [4.0, 0.0], [0.0, 0.0], RATE, 2048, [99.0, 99.0])
+    assert list(offers) == [1] and offers[1].blocks == 25
+    assert offers[1].seconds == pytest.approx(0.01 + 25 * 16 * KV / 1e9)
+
+
+def test_a_slow_link_recomputes_instead():
+    slow = dict(FAST, pull_bytes_per_s=1e6)  # 92 MB would take 92 s
+    router = _router({"a": _load(8_000, 4, **slow), "c": _load(**slow)}, {"a": 125})
+    d = router.route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from, d.pull_tokens, d.expected_cached_tokens) == ("c", "hot_prefix_replica", None, 0, 0)
+
+
+def test_an_owner_whose_queue_is_shorter_than_the_pull_keeps_the_request():
+    router = _router({"a": _load(40, 1, **FAST), "c": _load(**FAST)}, {"a": 125})
+    d = router.route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("a", "prefix", None)
+
+
+def test_no_pull_where_a_replica_cannot_act_on_one_or_holds_another_model():
+    # no kv_bytes_per_token reported: a host that does not pull (an external worker)
+    router = _router({"a": _load(8_000, 4), "c": _load()}, {"a": 125})
+    assert router.route(H, len(PROMPT)).pull_from is None
+    other = dict(FAST, kv_bytes_per_token=2 * KV)  # another model's KV: never exchanged
+    router = _router({"a": _load(8_000, 4, **FAST), "c": _load(**other)}, {"a": 125})
+    assert router.route(H, len(PROMPT)).pull_from is None
+    router = _router({"a": _load(8_000, 4, **FAST), "c": _load(**FAST)}, {"a": 125}, pulls=False)
+    assert router.route(H, len(PROMPT)).reason == "hot_prefix_replica"
+
+
+def test_unmeasured_bandwidth_borrows_the_fleets_then_the_default():
+    pricing = PullPricing(default_bytes_per_s=1e6, default_setup_s=0.0)
+    unmeasured = dict(FAST, pull_bytes_per_s=0.0, pull_setup_s=0.0)
+    router = _router({"a": _load(8_000, 4, **unmeasured), "c": _load(**unmeasured)}, {"a": 125},
+                     default_pull_bytes_per_s=1e6)  # fmt: skip
+    assert router.route(H, len(PROMPT)).pull_from is None  # 92 s at the default: recompute
+    table = router.candidate_table(H, ["a", "c"])
+    table.depth = [125, 0]  # as before the decision (c now holds the prompt as a pending run)
+    sizes, _, _, confirmed = table.pull()  # type: ignore[misc]
+    measured_peer = (sizes, [2e9, 0.0], [0.0, 0.0], confirmed)  # the holder measured 2 GB/s: c borrows it
+    offers = pricing.offers(table, measured_peer, len(PROMPT), 16, [4.0, 0.0], [0.0, 0.0], RATE, 2048, [99.0, 99.0])
+    assert offers[1].seconds == pytest.approx(125 * 16 * KV / 2e9)
+
+
+def test_the_decision_is_frozen_and_completed_by_copies():
+    d = RouteDecision("a", 16, "pull", pull_from="b", pull_tokens=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.ticket = 3  # type: ignore[misc]
+    e = dataclasses.replace(d, ticket=3, fallbacks=("c",))
+    assert (e.ticket, e.order, e.pull_from, e.pull_tokens) == (3, ["a", "c"], "b", 32) and d.ticket == 0
