@@ -25,6 +25,7 @@ from kvroute.cluster.kv_pull import PULL_TIMEOUT_S, PullResult, export_payload, 
 from kvroute.cluster.lora import ReplicaAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
 from kvroute.cluster.publisher import EventPublisher
+from kvroute.cluster.route_pull import RoutePuller
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.kv_events import KVEvents
@@ -149,6 +150,8 @@ class EngineReplica:
             self.engine = await engine_factory(engine_config)
         if self.engine.hash_spec != config.hash_spec:
             raise ValueError(f"engine hash spec {self.engine.hash_spec} differs from the cluster's {config.hash_spec}")
+        self.puller = RoutePuller(self.replica_id, self.engine,
+                                  lambda: serve.get_deployment_handle(config.deployment_name, config.app_name))  # fmt: skip
         self.closing = False
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
         self.links = [_RouterLink(self, actor) for actor in get_or_create_router_actors(config)]
@@ -178,10 +181,13 @@ class EngineReplica:
         """Stream ``request``'s deltas, the first as a ``FirstDelta`` that says where it
         ran. ``route``: the router's decision, added to the call by the caller's kvroute
         request router (None under Serve's own routers); its ticket goes to the engine,
-        whose load reports name the highest ticket they count."""
+        whose load reports name the highest ticket they count. A decision naming a
+        ``pull_from`` has this replica pull the prefix from there first (``route_pull.py``;
+        on any failure the request recomputes it)."""
         if request.lora_name is not None and self.adapters is not None:
             await self.adapters.ensure(request.lora_name)  # loaded on first use here
-        outcome: RouteOutcome | None = RouteOutcome(self.replica_id, route)
+        pulled = (await self.puller.pull(request, route)).tokens if self.puller.wanted(request, route) else 0
+        outcome: RouteOutcome | None = RouteOutcome(self.replica_id, route, pulled_tokens=pulled)
         async for delta in self.engine.generate(
             request.token_ids,
             request.params,

@@ -74,9 +74,9 @@ class DecisionQuality:
             self.unpredicted_delivered += delivered
             return
         self.reuse.add(num_prompt_tokens, decision.available_tokens, decision.expected_cached_tokens, delivered,
-                       decision.reason)  # fmt: skip
+                       decision.reason, outcome.pulled_tokens)  # fmt: skip
 
-    _FIELDS = ("requests", "offered", "available", "captured", "delivered", "abs_error", "cold", "stale")
+    _FIELDS = ("requests", "offered", "available", "captured", "delivered", "pulled", "abs_error", "cold", "stale")
 
     def as_report(self) -> dict[str, Any]:
         r = self.reuse
@@ -316,10 +316,12 @@ def _reuse_families(model_name: str, quality: DecisionQuality) -> Iterable[Metri
     fam = CounterMetricFamily(
         "kvroute:reuse_tokens",
         "Prompt tokens of predicted requests: offered (the prompt), available (longest prefix any candidate held), "
-        "captured (the router expected on its choice), delivered (the replica's cached tokens).",
+        "captured (the router expected on its choice), delivered (the replica's cached tokens), pulled (of those "
+        "delivered, a pull from another replica brought).",
         labels=["model_name", "figure"],
     )
-    for figure, value in (("offered", q.offered), ("available", q.available), ("captured", q.captured), ("delivered", q.delivered)):
+    for figure, value in (("offered", q.offered), ("available", q.available), ("captured", q.captured),
+                          ("delivered", q.delivered), ("pulled", q.pulled)):  # fmt: skip
         fam.add_metric([model_name, figure], float(value))
     yield fam
     loss = CounterMetricFamily(

@@ -203,6 +203,13 @@ class AsyncEngine:
         return name in self.engine.list_loras()
 
     # ------------------------------------------------------------------ KV transfer
+    def report_pulls(self) -> None:
+        """Report in every load figure what pulling KV into this engine costs
+        (``KVTransfer.pull_figures``), so routers may ask it to pull a prefix: for a host
+        that acts on a decision's ``pull_from`` (the Serve replica), not for one that
+        would ignore it."""
+        self.engine.telemetry.pull_state = self.engine.kv_transfer.pull_figures
+
     async def export_blocks(self, token_ids: Sequence[int] | None = None, **kwargs: Any) -> KVPayload:
         """``Engine.export_blocks`` without holding up the step loop: the blocks are
         referenced between steps, copied in a worker thread while steps go on (no step

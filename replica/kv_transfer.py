@@ -28,11 +28,17 @@ Every step of both runs between engine steps except ``copy`` and ``write``, whic
 only blocks the transfer references. On CUDA the copy gathers on a side stream and,
 unless asked to stay on the device (``on_device``: the seam for a device-to-device
 transport), lands in pinned host memory. An emulated engine moves no bytes: its
-payload's ``nbytes`` is what its profile's model would move, and an import registers.
+payload's ``nbytes`` is what its profile's model would move, and its import's write
+takes the profile's pull time for them (``StepProfile.pull_time``: setup + bytes over
+the device-to-device or through-the-host bandwidth), scaled as its steps are.
+
+``pull_figures`` is what a host that acts on a router's pulls reports in its load
+(``LoadFigures.kv_bytes_per_token``, ``pull_bytes_per_s``, ``pull_setup_s``).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -95,6 +101,18 @@ class KVTransfer:
     @property
     def emulated(self) -> bool:
         return not self.identity.layout
+
+    def pull_figures(self) -> tuple[int, float, float]:
+        """(KV bytes per token, pull bytes/s, pull setup s) for a router to price a pull
+        into this engine: the rate its pulls measured, else its emulation profile's
+        (scaled as its steps; 0.0: unknown, the router assumes one), and the profile's setup."""
+        bs = self.identity.block_size
+        if not self.emulated:
+            return self.identity.block_bytes // bs, self.metrics.pull_bytes_per_s, 0.0
+        runner = self.engine.runner
+        nominal = runner.profile.pull_bytes_per_s() / runner.time_scale
+        return self._emulated_block_bytes // bs, self.metrics.pull_bytes_per_s or nominal, \
+            runner.profile.pull_setup_s * runner.time_scale
 
     # ------------------------------------------------------------------ export
     def find_run(
@@ -277,8 +295,14 @@ class KVTransfer:
         copies.join()
 
     def write(self, res: ImportReservation) -> None:
-        """Copy the payload's KV into the reservation's fresh blocks."""
-        if self.emulated or not res.fresh:
+        """Copy the payload's KV into the reservation's fresh blocks (an emulated engine
+        takes its profile's time for the bytes instead)."""
+        if not res.fresh:
+            return
+        if self.emulated:
+            runner = self.engine.runner
+            nbytes = res.payload.nbytes * len(res.fresh) // max(1, res.payload.header.num_blocks)
+            time.sleep(runner.profile.pull_time(nbytes) * runner.time_scale)
             return
         import torch
 

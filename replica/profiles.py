@@ -48,6 +48,10 @@ class StepProfile:
     host_copy_bytes_per_s: float = 0.0  # host -> device KV copy bandwidth (0: copies are free)
     prefill_s_per_pair: float = 0.0  # prefill attention: seconds per (new token, position it attends) pair
     lora_bytes_per_rank: int = 0  # one rank of an adapter on every linear of the shape (0: slot loads are free)
+    # a pull of another replica's KV: device to device at this bandwidth (0: through the host, a copy out at
+    # host_copy_bytes_per_s and one in), plus a fixed setup (the call to the source, the payload's metadata)
+    peer_bytes_per_s: float = 0.0
+    pull_setup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -71,6 +75,17 @@ class StepProfile:
         if not tokens or not self.host_copy_bytes_per_s:
             return 0.0
         return tokens * self.kv_bytes_per_token / self.host_copy_bytes_per_s
+
+    def pull_bytes_per_s(self) -> float:
+        """A pull's bandwidth: device to device where the profile has one, else through
+        the host (two copies: half the host copy bandwidth); 0.0: not modelled."""
+        return self.peer_bytes_per_s or self.host_copy_bytes_per_s / 2
+
+    def pull_time(self, nbytes: int) -> float:
+        """Seconds to pull ``nbytes`` of KV from another replica (0.0 where the profile
+        models no transfers)."""
+        rate = self.pull_bytes_per_s()
+        return self.pull_setup_s + nbytes / rate if nbytes and rate else 0.0
 
     def adapter_load_time(self, rank: int) -> float:
         """Seconds to copy a rank-``rank`` LoRA adapter (every linear) into a device slot."""
@@ -99,6 +114,7 @@ def gpu_h100_llama3_8b() -> StepProfile:
         kv_bytes_per_token=131_072,
         host_copy_bytes_per_s=50.3e9,
         lora_bytes_per_rank=LLAMA3_8B_LORA_BYTES_PER_RANK,
+        pull_setup_s=0.002,  # pulls through the host: 25 GB/s (peer_bytes_per_s=50e9 models device to device)
         source="measured: this engine on an H100 80GB HBM3, Llama-3-8B shape (gpu_engine --cost-model, 2026-11-23); see cost_model.py",
     )
 

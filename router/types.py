@@ -90,11 +90,14 @@ class RouteOutcome:
     The decision's prediction holds only when the request runs, from its start, on the
     replica the decision chose; otherwise (another ranked replica served it because the
     choice was full, a resume, a fallback) it has none (``predicted`` False, the
-    expectation None) and its reason says why ("next_ranked", "resumed", "fallback")."""
+    expectation None) and its reason says why ("next_ranked", "resumed", "fallback").
+    ``pulled_tokens``: the prompt tokens the serving replica pulled from the decision's
+    ``pull_from`` before running the request (0: no pull, or it fell back)."""
 
     served_by: str | None = None
     decision: RouteDecision | None = None
     resumed: bool = False
+    pulled_tokens: int = 0
 
     @property
     def predicted(self) -> bool:

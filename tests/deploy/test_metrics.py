@@ -38,7 +38,7 @@ def test_reuse_figures_and_losses_add_up_to_the_prompt():
     assert r.as_dict()["routing_share"] == 96 / 550
     fams = {f.name: f for f in text_string_to_metric_families(render("m", {}, None, q, 0).decode())}
     reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
-    assert reuse == {"offered": 550, "available": 224, "captured": 128, "delivered": 160}
+    assert reuse == {"offered": 550, "available": 224, "captured": 128, "delivered": 160, "pulled": 0}
     loss = {(s.labels["kind"], s.labels["reason"]): s.value for s in fams["kvroute:reuse_loss_tokens"].samples
             if s.name.endswith("_total")}  # fmt: skip
     assert loss == {("cold", ""): 326, ("routing", "load"): 96, ("stale", ""): 16}
@@ -68,3 +68,16 @@ def test_the_application_view_sums_every_ingress_and_labels_nodes():
     procs = {(s.labels["role"], s.labels["replica"]): s.labels["node"]
              for s in fams["kvroute:process_resident_memory_bytes"].samples}  # fmt: skip
     assert procs == {("router", "0"): "10.0.0.2", ("http", "i1"): "10.0.0.2", ("http", "i2"): "10.0.0.3"}
+
+def test_a_pulled_prefix_is_reuse_delivered_and_counted_apart():
+    """A request whose replica pulled its prefix from another delivers it from cache
+    (nothing lost to routing); a pull that fell back shows as stale."""
+    q = DecisionQuality()
+    pull = RouteDecision("b", 1984, "pull", 1, 1984, pull_from="a", pull_tokens=1984)
+    q.on_finished(finished(RouteOutcome("b", pull, pulled_tokens=1984), 2040, 1984))
+    q.on_finished(finished(RouteOutcome("b", pull, pulled_tokens=0), 2040, 0))  # the source died: recomputed
+    r = q.reuse
+    assert (r.available, r.captured, r.delivered, r.pulled, r.stale, dict(r.routing)) == (3968, 3968, 1984, 1984, 1984, {})
+    fams = {f.name: f for f in text_string_to_metric_families(render("m", {}, None, q, 0).decode())}
+    reuse = {s.labels["figure"]: s.value for s in fams["kvroute:reuse_tokens"].samples if s.name.endswith("_total")}
+    assert reuse["pulled"] == 1984 and reuse["delivered"] == 1984
