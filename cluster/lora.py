@@ -1,8 +1,9 @@
 """The application's LoRA adapters across the fleet (ARCHITECTURE.md §2, LoRA adapters
 in the Serve application): the registry, each replica kept in step with it, and the
-adapter hosts the OpenAI layer (``deploy/serving.py``'s ``AdapterHost``) sees in the
-Serve application (``FleetAdapters``) and in front of external workers
-(``WorkerAdapters``). Each engine's own adapters are ``replica/lora/``.
+adapter host the OpenAI layer (``deploy/openai/served_models.py``'s ``AdapterHost``) sees in
+the Serve application (``FleetAdapters``; in front of external workers it is the workers
+backend's ``WorkerAdapters``, ``deploy/backends/workers.py``). Each engine's own adapters
+are ``replica/lora/``.
 
 ``LoRARegistry`` (plain; ``LoRARegistryActor`` is it as a detached Ray actor named
 ``lora_registry_name(app)``, one for every generation of the application; ended, with
@@ -43,7 +44,6 @@ path and the replica's node), a bad one a 400 naming the file and field.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -328,47 +328,3 @@ class FleetAdapters:
         if is_uri(self.dynamic_path):
             return f"{self.dynamic_path.rstrip('/')}/{name}"
         return str(Path(self.dynamic_path).expanduser() / name)
-
-
-class WorkerAdapters:
-    """The adapter host in front of external workers (``deploy/workers.py``'s
-    ``WorkersBackend``): an adapter any up worker lists is served (by the workers that
-    list it). Loading one goes to every up worker, unloading to those that list it
-    (vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``); it succeeds
-    where at least one worker did it (a worker without LoRA refuses), then the pool
-    reads their ``/v1/models`` again."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-
-    async def list_loras(self) -> dict[str, str]:
-        await self.backend.workers()
-        return self.backend.adapters()
-
-    async def find_lora(self, name: str) -> bool:
-        return name in await self.list_loras()
-
-    async def load_lora(self, name: str, path: str) -> None:
-        workers = await self.backend.workers(fresh=True)
-        await self._call([w[0] for w in workers.values()], "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-
-    async def unload_lora(self, name: str) -> None:
-        workers = await self.backend.workers(fresh=True)
-        await self._call([w[0] for w in workers.values() if name in w[2]], "/v1/unload_lora_adapter", {"lora_name": name})
-
-    async def _call(self, urls: list[str], path: str, body: dict[str, str]) -> None:
-        backend = self.backend
-        answers = await asyncio.gather(*(backend.client.post(url + path, json=body) for url in urls), return_exceptions=True)
-        await backend.pool.refresh_models.remote()
-        await backend.workers(fresh=True)
-        if not any(not isinstance(a, BaseException) and a.status_code < 400 for a in answers):
-            why = [repr(a) if isinstance(a, BaseException) else _refusal(a.status_code, a.content) for a in answers]
-            raise ValueError(f"no worker could {path.rsplit('/', 1)[1].replace('_', ' ')}: {why or 'no worker is up'}")
-
-
-def _refusal(status: int, raw: bytes) -> str:
-    """A worker's error answer: the message of its OpenAI-shaped body, else the bytes."""
-    try:
-        return str(json.loads(raw)["error"].get("message"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return f"the worker answered {status}: {raw[:200]!r}"

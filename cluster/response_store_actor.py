@@ -3,7 +3,7 @@ map from response id to its JSON record, and the Ray Serve application's copy of
 named detached actor that every ingress of the application finds by name.
 
 ``BoundedStore`` is plain Python (no Ray; the single-engine server keeps one in its own
-process, ``deploy/response_store.py``). It holds each record as JSON text and bounds the
+process, ``deploy/openai/responses/store.py``). It holds each record as JSON text and bounds the
 whole by entry count and total bytes, evicting the least recently used first, and drops
 a record ``ttl_s`` after it was stored. Reason: a record holds the whole conversation so
 far (a continuation is one lookup, whatever its length), so an unbounded store would
@@ -133,7 +133,7 @@ def kill_response_store(app_name: str) -> bool:
 
 class RemoteResponseStore:
     """The ingress's view of the store actor, with the async interface of
-    ``deploy/response_store.py``'s ``ResponseStore``. Every call is bounded by
+    ``deploy/openai/responses/store.py``'s ``ResponseStore``. Every call is bounded by
     ``timeout_s``; a store that does not answer raises ``TimeoutError``, a dead one
     Ray's error."""
 

@@ -1,5 +1,5 @@
 """Which of the application's router actors a process asks, in what order (no Ray here:
-``ranker.py``, for the Serve request router, and ``deploy/workers.py`` drive it). The
+``ranker.py``, for the Serve request router, and ``deploy/backends/workers.py`` drive it). The
 spills and failovers of a call are counted where its caller says: the request router
 counts each call's into its decision (``RouteDecision.spills`` / ``.failovers``), the
 workers ingress into its own counts.

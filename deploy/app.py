@@ -4,10 +4,10 @@ external OpenAI-compatible workers.
 
 ``build_app(args)`` is an application builder: ``serve run deploy/serve.yaml`` and
 ``serve deploy`` call it with the YAML's ``args`` (``deploy/app_config.py``). Both modes
-run the same ingress class, ``OpenAIIngress``: the HTTP layer (``deploy/api.py``,
-``deploy/serving.py``) validates and tokenizes every request once and hands it to the
+run the same ingress class, ``OpenAIIngress``: the HTTP layer (``deploy/openai/api.py``,
+``deploy/openai/serving.py``) validates and tokenizes every request once and hands it to the
 mode's backend, ``ClusterBackend`` (each choice through ``KVRouteClient`` to a replica)
-or ``WorkersBackend`` (the request whole to a worker, ``deploy/workers.py``).
+or ``WorkersBackend`` (the request whole to a worker, ``deploy/backends/workers.py``).
 """
 
 from __future__ import annotations
@@ -16,94 +16,31 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI
 from ray import serve
 
 from kvroute.cluster.client import KVRouteClient
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.lora import FleetAdapters, WorkerAdapters, get_or_create_lora_registry
-from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError
+from kvroute.cluster.lora import FleetAdapters, get_or_create_lora_registry
 from kvroute.cluster.replica_deployment import build_engine_deployment
 from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_create_response_store
 from kvroute.cluster.router_actor import get_or_create_router_actors
 from kvroute.cluster.worker_pool import get_or_create_worker_pool
 from kvroute.cluster.worker_probe import check_specs, cluster_nodes
-from kvroute.deploy.api import build_api, warn_if_open
 from kvroute.deploy.app_config import AppArgs, ingress_limits, parse_args
 from kvroute.deploy.app_metrics import IngressReporter, router_metrics
-from kvroute.deploy.choices import ChoiceBackend
-from kvroute.deploy.errors import APIError
-from kvroute.deploy.fanout import Choice
-from kvroute.deploy.generation_defaults import GenerationDefaults
+from kvroute.deploy.backends.cluster import ClusterBackend
+from kvroute.deploy.backends.workers import WorkerAdapters, WorkersBackend, admin_routes, pool_metrics
 from kvroute.deploy.metrics import DecisionQuality
-from kvroute.deploy.serving import AdapterHost, Backend, OpenAIServing, ServerLimits
-from kvroute.deploy.workers import WorkersBackend, admin_routes, pool_metrics
-from kvroute.replica.outputs import TokenDelta
-from kvroute.replica.sampling_params import SamplingParams
-from kvroute.router.types import RouteOutcome
+from kvroute.deploy.openai.api import build_api, warn_if_open
+from kvroute.deploy.openai.generation_defaults import GenerationDefaults
+from kvroute.deploy.openai.serving import AdapterHost, Backend, OpenAIServing, ServerLimits
 
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------- backend
-class ClusterBackend(ChoiceBackend):
-    """The backend of the engine replicas: each choice through the failover client;
-    ``accuracy`` (``/metrics``' decision quality) counts each finished choice."""
-
-    def __init__(self, client: KVRouteClient, router_actors: list[Any], tokenizer: Any, timeout_s: Optional[float],
-                 generation: str = "", accuracy: Optional[DecisionQuality] = None) -> None:  # fmt: skip
-        super().__init__(tokenizer, timeout_s)
-        self.client = client
-        self.router_actors = router_actors
-        self.generation = generation  # the config generation this ingress was built with (ARCHITECTURE.md §5.1)
-        self.accuracy = accuracy
-
-    async def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route,
-                                   lora_name=lora_name)  # fmt: skip
-        try:
-            async for delta in gen:
-                yield delta
-        except OverloadedError as exc:
-            raise APIError(429, f"the service is overloaded: {exc}", code="overloaded", retry_after_s=exc.retry_after_s) from None
-        except ReplicaUnavailableError as exc:
-            raise APIError(503, f"no replica could serve the request: {exc}", code="unavailable", retry_after_s=1.0) from None
-        except ValueError as exc:  # raised by the replica's engine; Ray wraps it
-            cause = getattr(exc, "cause", None)
-            raise ValueError(str(cause) if isinstance(cause, ValueError) else str(exc)) from None
-        finally:
-            await gen.aclose()
-
-    def finished(self, choice: Choice) -> None:
-        if self.accuracy is not None:
-            self.accuracy.on_finished(choice)
-
-    async def health(self) -> dict[str, Any]:
-        """Ready once a router (any: each has the whole directory) knows a replica; with
-        the replicas a router refused (they serve, but routing cannot see their caches)."""
-        answers = await asyncio.gather(*(asyncio.wait_for(a.health.remote(), 2.0) for a in self.router_actors),
-                                       return_exceptions=True)  # fmt: skip
-        healthy = [a for a in answers if isinstance(a, dict)]
-        refused = {rid: why for a in healthy for rid, why in a["refused"].items()}
-        replicas = max((a["replicas"] for a in healthy), default=0)
-        policies = sorted({a["policy"] for a in healthy})
-        return {"ready": replicas > 0, "replicas": replicas, "routers": f"{len(healthy)}/{len(answers)}",
-                "generation": self.generation, "policy": ",".join(policies),
-                **({"refused_replicas": refused} if refused else {})}
-
-
-# ---------------------------------------------------------------------- ingress
 @dataclass
 class IngressParts:
     """What one mode adds to the ingress: its backend, its adapter host, its routing

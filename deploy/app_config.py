@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvroute.cluster.config import REQUEST_ROUTERS, ROUTER_CHOICES, ClusterConfig
 from kvroute.cluster.worker_state import WorkerSpec
-from kvroute.deploy.serving import ServerLimits
-from kvroute.deploy.tool_serving import ToolServingConfig
+from kvroute.deploy.openai.serving import ServerLimits
+from kvroute.deploy.openai.tools.serving import ToolServingConfig
 from kvroute.replica.config import EngineConfig
 
 # request_router_class values: our short names (REQUEST_ROUTERS), or the classes' import paths.
@@ -167,7 +167,7 @@ def ingress_limits(parsed: "AppArgs") -> ServerLimits:
 class AppArgs(_Strict):
     """The ``args`` of ``deploy/serve.yaml`` (one model per application). With
     ``workers`` (even empty: they can be added at run time) the application routes to
-    those external OpenAI-compatible servers (``deploy/workers.py``) and runs no engine
+    those external OpenAI-compatible servers (``deploy/backends/workers.py``) and runs no engine
     replicas; the model folder then gives the workers' tokenizer, ``engine_kwargs``'
     ``block_size`` their block size, and ``router_policy`` routes them (no Serve request
     router is involved)."""

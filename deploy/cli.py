@@ -194,13 +194,13 @@ def _positive(convert: type) -> Callable[[str], float]:
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
-    from kvroute.deploy.tool_serving import add_tool_args
+    from kvroute.deploy.openai.tools.serving import add_tool_args
 
     add_tool_args(p)
 
 
 def _limits(args: argparse.Namespace):
-    from kvroute.deploy.serving import ServerLimits
+    from kvroute.deploy.openai.serving import ServerLimits
 
     api_key = args.api_key or os.environ.get("KVROUTE_API_KEY") or None
     store = {k: v for k in _STORE_BOUNDS if (v := getattr(args, k)) is not None}  # unset: ServerLimits' defaults
@@ -214,7 +214,7 @@ _STORE_BOUNDS = ("response_store_max_entries", "response_store_max_mib", "respon
 def _serve_replica(args: argparse.Namespace) -> int:
     from kvroute.deploy.kv_event_publisher import KVEventsConfig
     from kvroute.deploy.replica_server import serve_replica
-    from kvroute.deploy.tool_serving import tool_config_from_args
+    from kvroute.deploy.openai.tools.serving import tool_config_from_args
     from kvroute.replica.config import EngineConfig
     from kvroute.replica.console_log import log_info_to_stderr
 
@@ -275,7 +275,7 @@ def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool 
 def _tool_ingress_args(args: argparse.Namespace) -> dict:
     """The tool flags as the ingress's args; the template travels as its text, so the
     ingress need not find the file on its own node."""
-    from kvroute.deploy.tool_serving import tool_config_from_args
+    from kvroute.deploy.openai.tools.serving import tool_config_from_args
 
     config = tool_config_from_args(args)  # checks the flags here, before anything starts
     return {"chat_template": config.chat_template, "tool_call_parser": config.tool_call_parser,

@@ -21,7 +21,7 @@ from kvroute.router.reuse import ReuseAccount
 from kvroute.router.types import RouteOutcome
 
 if TYPE_CHECKING:
-    from kvroute.deploy.fanout import Choice
+    from kvroute.deploy.openai.fanout import Choice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -4,58 +4,27 @@ routers probe their workers with (``/get_model_info``, ``/get_server_info``,
 ``/get_load`` for sglang-router; ``/load`` for vllm-router), so several of these
 servers can stand behind such a router on the same engine settings as ours. With
 ``kv_events`` enabled it publishes its cache changes on vLLM's ZMQ KV event format
-(``deploy/kv_event_publisher.py``), as a vLLM worker does.
+(``deploy/kv_event_publisher.py``), as a vLLM worker does. Its backend is
+``EngineBackend`` (``deploy/backends/engine.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI
 
-from kvroute.deploy.api import build_api, warn_if_open
-from kvroute.deploy.choices import ChoiceBackend
-from kvroute.deploy.generation_defaults import GenerationDefaults
+from kvroute.deploy.backends.engine import EngineBackend
 from kvroute.deploy.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, vllm_events
 from kvroute.deploy.metrics import CONTENT_TYPE, render
-from kvroute.deploy.serving import OpenAIServing, ServerLimits
-from kvroute.deploy.tool_serving import ToolServingConfig
+from kvroute.deploy.openai.api import build_api, warn_if_open
+from kvroute.deploy.openai.generation_defaults import GenerationDefaults
+from kvroute.deploy.openai.serving import OpenAIServing, ServerLimits
+from kvroute.deploy.openai.tools.serving import ToolServingConfig
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.engine import Engine, EngineStats
-from kvroute.replica.outputs import TokenDelta
-from kvroute.replica.sampling_params import SamplingParams
-from kvroute.router.types import RouteOutcome
-
-
-class EngineBackend(ChoiceBackend):
-    """The backend of one in-process ``AsyncEngine``: each choice is one of its requests."""
-
-    def __init__(self, engine: AsyncEngine, timeout_s: Optional[float]) -> None:
-        super().__init__(engine.engine.tokenizer, timeout_s)
-        self.engine = engine
-
-    async def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        on_route(RouteOutcome(self.engine.replica_id))
-        gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt, lora_name=lora_name)
-        try:
-            async for delta in gen:
-                yield delta
-        finally:
-            await gen.aclose()
-
-    async def health(self) -> dict[str, Any]:
-        return {"ready": self.engine.failure is None}
 
 
 def build_replica_server(

@@ -59,7 +59,7 @@ class EngineConfig:
     ``generation_config``: whose sampling defaults the HTTP server applies to requests
     that leave a field unset, as vLLM's ``--generation-config``: ``auto`` the model's
     ``generation_config.json``, ``vllm`` none, or another folder's file
-    (``deploy/generation_defaults.py``). The engine itself does not read it.
+    (``deploy/openai/generation_defaults.py``). The engine itself does not read it.
     """
 
     model: str = "smollm2-135m-instruct"

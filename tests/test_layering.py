@@ -152,3 +152,51 @@ def test_ray_only_in_cluster_deploy_benchmarks():
     for folder in ("replica", "router", "kernels", "kvroute"):
         for mod, files in _imports(folder).items():
             assert mod.split(".")[0] != "ray", (folder, mod, files)
+
+
+OPENAI_MAY_IMPORT = ("kvroute.deploy.openai", "kvroute.replica", "kvroute.router")
+OPENAI_MAY_IMPORT_EXACTLY = {"kvroute", "kvroute.cluster.response_store_actor"}
+BACKENDS_MAY_IMPORT = ("kvroute.deploy.openai", "kvroute.deploy.backends", "kvroute.cluster", "kvroute.replica",
+                       "kvroute.router")  # fmt: skip
+BACKENDS_MAY_IMPORT_EXACTLY = {"kvroute.deploy.metrics"}
+
+
+def _ours_outside(folder: str, prefixes: tuple[str, ...], exactly: set[str]) -> list[tuple[str, set[str]]]:
+    return [(mod, files) for mod, files in _imports(folder).items()
+            if mod.startswith("kvroute") and mod not in exactly and not mod.startswith(prefixes)]  # fmt: skip
+
+
+def test_openai_layer_imports_no_ray_no_host_no_backend():
+    """deploy/openai/ is the HTTP layer every host serves: of ours it imports only itself,
+    the engine's and the router's plain types, and the Ray-free bounded response store
+    (ARCHITECTURE.md §1); no Ray, no Serve, no host, no backend."""
+    for mod, files in _imports("deploy/openai").items():
+        assert mod.split(".")[0] != "ray", (mod, files)
+    assert _ours_outside("deploy/openai", OPENAI_MAY_IMPORT, OPENAI_MAY_IMPORT_EXACTLY) == []
+
+
+def test_openai_layer_loads_neither_ray_nor_torch():
+    """Importing every module of deploy/openai/ (what it imports of cluster/ included)
+    leaves Ray and torch unloaded: a process that only serves HTTP pays for neither."""
+    code = ("import sys, pkgutil, importlib, kvroute.deploy.openai as o\n"
+            "for m in pkgutil.walk_packages(o.__path__, 'kvroute.deploy.openai.'): importlib.import_module(m.name)\n"
+            "bad = [m for m in ('ray', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backends_import_no_host_and_no_ray_directly():
+    """deploy/backends/ implement the OpenAI layer's ``Backend`` over cluster/ (Ray stays
+    behind it) or an in-process engine; no backend imports a host (the Serve app, the
+    replica server, the CLI, their config), so every host can pick any backend."""
+    for mod, files in _imports("deploy/backends").items():
+        assert mod.split(".")[0] != "ray", (mod, files)
+    assert _ours_outside("deploy/backends", BACKENDS_MAY_IMPORT, BACKENDS_MAY_IMPORT_EXACTLY) == []
+
+
+def test_nothing_below_deploy_imports_it():
+    """deploy/ sits on cluster/, replica/ and router/ (ARCHITECTURE.md §1): none of them,
+    nor the facade, imports anything of deploy/, so its hosts choose the backends."""
+    for folder in ("cluster", "replica", "router", "kernels", "kvroute"):
+        for mod, files in _imports(folder).items():
+            assert not mod.startswith("kvroute.deploy"), (folder, mod, files)

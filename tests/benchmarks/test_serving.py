@@ -16,7 +16,7 @@ from kvroute.benchmarks.cli import main as bench  # noqa: E402
 from kvroute.benchmarks import serving  # noqa: E402
 from kvroute.benchmarks import workloads as wl  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
 

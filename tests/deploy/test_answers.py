@@ -12,14 +12,14 @@ from typing import Any, Optional
 
 import pytest
 
-from kvroute.deploy.answer_logprobs import TokenText, prompt_logprobs
-from kvroute.deploy.fanout import Choice
-from kvroute.deploy.protocol import PreparedRequest
-from kvroute.deploy.responses import body
-from kvroute.deploy.stream_chunks import chunks
-from kvroute.deploy.tool_calls import ToolFields
-from kvroute.deploy.tool_json import assemble
-from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
+from kvroute.deploy.openai.answers.logprobs import TokenText, prompt_logprobs
+from kvroute.deploy.openai.fanout import Choice
+from kvroute.deploy.openai.protocol import PreparedRequest
+from kvroute.deploy.openai.answers.bodies import body
+from kvroute.deploy.openai.answers.chunks import chunks
+from kvroute.deploy.openai.tools.calls import ToolFields
+from kvroute.deploy.openai.tools.call_json import assemble
+from kvroute.deploy.openai.tools.serving import ToolServingConfig, plan_tools
 from kvroute.replica.outputs import RequestId, TokenDelta, TokenLogprob
 from kvroute.replica.sampling_params import SamplingParams
 

@@ -1,13 +1,13 @@
-"""Chat templates with tools on the embedded SmolLM2 tokenizer (deploy/chat_template.py and
+"""Chat templates with tools on the embedded SmolLM2 tokenizer (deploy/openai/chat_template.py and
 the shipped chatml_tools template)."""
 
 import json
 
 import pytest
 
-from kvroute.deploy.chat_template import BUILTIN_TEMPLATES, ChatRenderer, load_chat_template
-from kvroute.deploy.tool_calls import ToolChatMessage, ToolFields, template_messages
-from kvroute.deploy.tool_parsers import HermesParser
+from kvroute.deploy.openai.chat_template import BUILTIN_TEMPLATES, ChatRenderer, load_chat_template
+from kvroute.deploy.openai.tools.calls import ToolChatMessage, ToolFields, template_messages
+from kvroute.deploy.openai.tools.hermes import HermesParser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip

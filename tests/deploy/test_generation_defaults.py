@@ -16,7 +16,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from kvroute.deploy.generation_defaults import GenerationDefaults  # noqa: E402
+from kvroute.deploy.openai.generation_defaults import GenerationDefaults  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.deploy.replica_server import build_replica_server
-from kvroute.deploy.serving import ServerLimits
+from kvroute.deploy.openai.serving import ServerLimits
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.llm import LLM
 from kvroute.replica.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 
 from kvroute.benchmarks.lora_adapters import save_random_adapter  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402

@@ -22,10 +22,10 @@ anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
 
-from kvroute.deploy.errors import error_body  # noqa: E402
-from kvroute.deploy.messages_answer import message_events  # noqa: E402
+from kvroute.deploy.openai.errors import error_body  # noqa: E402
+from kvroute.deploy.openai.messages.answer import message_events  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.deploy.conftest import SMOL_MODEL  # noqa: E402
 from tests.deploy.server import running  # noqa: E402

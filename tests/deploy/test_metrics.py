@@ -3,7 +3,7 @@ delivered, as ``/metrics`` renders them."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.deploy.fanout import Choice
+from kvroute.deploy.openai.fanout import Choice
 from kvroute.deploy.metrics import DecisionQuality, render
 from kvroute.router.types import RouteDecision, RouteOutcome
 

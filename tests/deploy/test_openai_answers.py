@@ -20,8 +20,8 @@ pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("fastapi")
 
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
-from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.tools.serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
 from tests.deploy.tool_defs import TIME, WEATHER  # noqa: E402

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 from tests.deploy import hostile  # noqa: E402
@@ -493,9 +493,9 @@ def test_an_emulated_replica_is_named_after_its_profile(tiny_llama_path):
 
 
 def test_serving_without_a_key_off_loopback_warns(caplog):
-    from kvroute.deploy.api import warn_if_open
+    from kvroute.deploy.openai.api import warn_if_open
 
-    with caplog.at_level("WARNING", logger="kvroute.deploy.api"):
+    with caplog.at_level("WARNING", logger="kvroute.deploy.openai.api"):
         assert [warn_if_open(None, h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2")] == [False] * 5
         assert not caplog.records
         assert warn_if_open(None, "0.0.0.0") and warn_if_open(None, "10.1.2.3") and warn_if_open(None, "node-a")

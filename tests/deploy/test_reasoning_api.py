@@ -18,10 +18,10 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
 
-from kvroute.deploy.reasoning_parsers import REASONING_PARSERS  # noqa: E402
+from kvroute.deploy.openai.reasoning_parsers import REASONING_PARSERS  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
-from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.tools.serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.conftest import _save_tiny  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
@@ -218,9 +218,9 @@ def test_a_forced_tool_call_follows_the_reasoning(clients, tok):
 def test_without_a_parser_the_switches_take_only_true(think_path):
     import asyncio
 
-    from kvroute.deploy.errors import APIError
-    from kvroute.deploy.protocol import ChatCompletionRequest
-    from kvroute.deploy.serving import OpenAIServing
+    from kvroute.deploy.openai.errors import APIError
+    from kvroute.deploy.openai.protocol import ChatCompletionRequest
+    from kvroute.deploy.openai.serving import OpenAIServing
     from kvroute.replica.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(think_path)

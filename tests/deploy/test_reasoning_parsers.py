@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvroute.deploy.reasoning import ReasoningPlan, ReasoningServing, template_reads
-from kvroute.deploy.reasoning_parsers import REASONING_PARSERS, ReasoningStream, get_reasoning_parser
+from kvroute.deploy.openai.reasoning import ReasoningPlan, ReasoningServing, template_reads
+from kvroute.deploy.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream, get_reasoning_parser
 
 QWEN3 = REASONING_PARSERS["qwen3"]
 R1 = REASONING_PARSERS["deepseek_r1"]
@@ -144,7 +144,7 @@ def test_template_reads():
 def test_the_flag_reaches_serve_replica_serve_and_the_serve_config():
     from kvroute.deploy.app_config import parse_args
     from kvroute.deploy.cli import _tool_ingress_args, build_parser
-    from kvroute.deploy.tool_serving import tool_config_from_args
+    from kvroute.deploy.openai.tools.serving import tool_config_from_args
 
     args = build_parser().parse_args(["serve-replica", "--reasoning-parser", "deepseek_r1"])
     assert tool_config_from_args(args).reasoning_parser == "deepseek_r1"
@@ -159,8 +159,8 @@ def test_the_flag_reaches_serve_replica_serve_and_the_serve_config():
 
 
 def test_tool_calls_are_read_from_the_content_after_the_reasoning():
-    from kvroute.deploy.tool_calls import ToolFields
-    from kvroute.deploy.tool_serving import ToolServingConfig, plan_tools
+    from kvroute.deploy.openai.tools.calls import ToolFields
+    from kvroute.deploy.openai.tools.serving import ToolServingConfig, plan_tools
     from tests.deploy.tool_defs import WEATHER
 
     tools = plan_tools(ToolServingConfig(tool_call_parser="hermes", enable_auto_tool_choice=True), ToolFields(tools=[WEATHER]))

@@ -16,9 +16,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from kvroute import __version__  # noqa: E402
 from kvroute.deploy.replica_server import build_replica_server  # noqa: E402
-from kvroute.deploy.request_fields import ENGINE_REFUSED_FIELDS, NO_EFFECT_FIELDS  # noqa: E402
-from kvroute.deploy.serving import ServerLimits  # noqa: E402
-from kvroute.deploy.tool_serving import ToolServingConfig  # noqa: E402
+from kvroute.deploy.openai.request_fields import ENGINE_REFUSED_FIELDS, NO_EFFECT_FIELDS  # noqa: E402
+from kvroute.deploy.openai.serving import ServerLimits  # noqa: E402
+from kvroute.deploy.openai.tools.serving import ToolServingConfig  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402
 from tests.deploy.server import running  # noqa: E402
 
@@ -305,7 +305,7 @@ def test_vllm_fields_the_engine_cannot_honour_are_400s_naming_them(http):
 
 
 def test_documents_reach_a_template_that_renders_them(http, smollm2_tokenizer):
-    from kvroute.deploy.chat_template import ChatRenderer
+    from kvroute.deploy.openai.chat_template import ChatRenderer
 
     err = _error(http, "/v1/chat/completions", {"messages": USER, "documents": [{"title": "a", "text": "b"}]})
     assert err["param"] == "documents" and "does not render documents" in err["message"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvroute.deploy.cli import _limits, build_parser, main, serve_app_args
-from kvroute.deploy.response_store import StoreBounds
-from kvroute.deploy.serving import ServerLimits
+from kvroute.deploy.openai.responses.store import StoreBounds
+from kvroute.deploy.openai.serving import ServerLimits
 
 FLAGS = ["--response-store-max-entries", "3", "--response-store-max-mib", "2", "--response-store-ttl-s", "60"]
 SET = StoreBounds(max_entries=3, max_bytes=2 * 2**20, ttl_s=60.0)

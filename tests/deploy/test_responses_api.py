@@ -331,7 +331,7 @@ def test_bad_requests_are_4xx_naming_the_field(server, body, param):
 def test_a_replayed_calls_arguments_must_be_an_object(arguments, message):
     """The same object check as a chat assistant's ``tool_calls`` (``json_object``),
     with the item's path in front instead of ``function.arguments``."""
-    from kvroute.deploy.responses_request import _item
+    from kvroute.deploy.openai.responses.request import _item
 
     with pytest.raises(ValueError) as exc:
         _item(0, {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments})
@@ -357,8 +357,8 @@ def _events_of(pieces: list[bytes]) -> tuple[list[dict[str, Any]], list[dict[str
     ``pieces``, and what it handed over to be stored."""
     import asyncio
 
-    from kvroute.deploy.responses_request import ResponsesRequest
-    from kvroute.deploy.responses_stream import response_events
+    from kvroute.deploy.openai.responses.request import ResponsesRequest
+    from kvroute.deploy.openai.responses.stream import response_events
 
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         async def feed():

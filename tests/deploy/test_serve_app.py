@@ -151,9 +151,9 @@ def test_health_is_503_until_a_replica_registers(ray_cluster, tiny_llama_path):
     no replica (all starting, or all lost), 200 once one registered."""
     from kvroute.cluster.config import ClusterConfig
     from kvroute.cluster.router_actor import get_or_create_router_actor
-    from kvroute.deploy.api import build_api
-    from kvroute.deploy.app import ClusterBackend
-    from kvroute.deploy.serving import OpenAIServing
+    from kvroute.deploy.openai.api import build_api
+    from kvroute.deploy.backends.cluster import ClusterBackend
+    from kvroute.deploy.openai.serving import OpenAIServing
     from kvroute.replica.config import EngineConfig
     from kvroute.replica.checkpoint import load_tokenizer
     from tests.deploy.server import running

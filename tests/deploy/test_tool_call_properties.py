@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.deploy.tool_calls import NamedToolChoice, ToolDefinition
-from kvroute.deploy.tool_forcing import ForcedToolParser, forced_tool_schema
-from kvroute.deploy.tool_json import assemble
+from kvroute.deploy.openai.tools.calls import NamedToolChoice, ToolDefinition
+from kvroute.deploy.openai.tools.forcing import ForcedToolParser, forced_tool_schema
+from kvroute.deploy.openai.tools.call_json import assemble
 
 NAME = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)
 NUMBER = st.just({"type": "number", "minimum": -10, "maximum": 10})

@@ -1,4 +1,4 @@
-"""Tool request fields, tool history and forced calls (deploy/tool_calls.py, tool_forcing.py)."""
+"""Tool request fields, tool history and forced calls (deploy/openai/tools/calls.py, tool_forcing.py)."""
 
 import json
 
@@ -8,9 +8,9 @@ import xgrammar
 from pydantic import ValidationError
 from xgrammar.testing import _is_grammar_accept_string
 
-from kvroute.deploy.tool_calls import NamedToolChoice, ToolChatMessage, ToolFields, template_messages
-from kvroute.deploy.tool_forcing import ForcedToolParser, forced_tool_schema, parse_forced
-from kvroute.deploy.tool_json import assemble
+from kvroute.deploy.openai.tools.calls import NamedToolChoice, ToolChatMessage, ToolFields, template_messages
+from kvroute.deploy.openai.tools.forcing import ForcedToolParser, forced_tool_schema, parse_forced
+from kvroute.deploy.openai.tools.call_json import assemble
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

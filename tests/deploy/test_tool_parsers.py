@@ -1,19 +1,16 @@
-"""Tool-call parsers (deploy/tool_parsers.py) on realistic outputs: whole and streamed."""
+"""Tool-call parsers (deploy/openai/tools/parsers.py) on realistic outputs: whole and streamed."""
 
 import json
 import random
 
 import pytest
 
-from kvroute.deploy.tool_calls import NamedToolChoice, ToolFields, finish_reason
-from kvroute.deploy.tool_json import assemble
-from kvroute.deploy.tool_parsers import (
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    get_tool_parser,
-    resolve_tool_choice,
-)
+from kvroute.deploy.openai.tools.calls import NamedToolChoice, ToolFields, finish_reason
+from kvroute.deploy.openai.tools.call_json import assemble
+from kvroute.deploy.openai.tools.hermes import HermesParser
+from kvroute.deploy.openai.tools.llama3_json import Llama3JsonParser
+from kvroute.deploy.openai.tools.mistral import MistralParser
+from kvroute.deploy.openai.tools.parsers import get_tool_parser, resolve_tool_choice
 
 QWEN_TWO_CALLS = (
     "I'll look both up.\n\n<tool_call>\n"

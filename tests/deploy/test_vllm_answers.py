@@ -15,8 +15,8 @@ import pytest
 
 from kvroute.benchmarks.vllm_workers import vllm_python
 from kvroute.deploy.replica_server import build_replica_server
-from kvroute.deploy.serving import ServerLimits
-from kvroute.deploy.tool_serving import ToolServingConfig
+from kvroute.deploy.openai.serving import ServerLimits
+from kvroute.deploy.openai.tools.serving import ToolServingConfig
 from kvroute.replica.config import EngineConfig
 from tests.deploy.conftest import VLLM_MODEL
 from tests.deploy.server import running

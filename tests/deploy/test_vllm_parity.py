@@ -13,7 +13,7 @@ import pytest
 
 from kvroute.benchmarks.vllm_workers import vllm_python
 from kvroute.deploy.replica_server import build_replica_server
-from kvroute.deploy.serving import ServerLimits
+from kvroute.deploy.openai.serving import ServerLimits
 from kvroute.replica.config import EngineConfig
 from tests.deploy.conftest import VLLM_MODEL
 from tests.deploy.server import running
