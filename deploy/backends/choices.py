@@ -1,5 +1,5 @@
 """The backends that stream choices: each choice of a prepared request runs as one
-engine request (``generate``), and the answer is shaped here from the merged deltas
+engine request (``generate``, given a frozen ``EngineRequest``), and the answer is shaped here from the merged deltas
 (``deploy/openai/fanout.py`` runs them, ``deploy/openai/answers/`` shapes them).
 ``ClusterBackend`` (the Serve application's replicas, ``deploy/backends/cluster.py``) and
 ``EngineBackend`` (one in-process engine, ``deploy/backends/engine.py``) are such
@@ -10,15 +10,13 @@ request whole instead.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from kvroute.deploy.openai.answers import bodies, chunks
 from kvroute.deploy.openai.answers.logprobs import token_id_text
-from kvroute.deploy.openai.fanout import Choice, Stream, collect, event_stream, run_choices
+from kvroute.deploy.openai.fanout import Choice, EngineRequest, Stream, collect, event_stream, run_choices
 from kvroute.deploy.openai.protocol import Answer, PreparedRequest
 from kvroute.replica.outputs import TokenDelta
-from kvroute.replica.sampling_params import SamplingParams
-from kvroute.router.types import RouteOutcome
 
 
 class ChoiceBackend(ABC):
@@ -31,17 +29,8 @@ class ChoiceBackend(ABC):
         self.timeout_s = timeout_s
 
     @abstractmethod
-    def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        """One engine request's deltas (``fanout.EngineStreams``)."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """One engine request's deltas (``fanout.Generate``)."""
 
     @abstractmethod
     async def health(self) -> dict[str, Any]:
@@ -53,7 +42,7 @@ class ChoiceBackend(ABC):
     async def answer(self, request: PreparedRequest) -> Answer:
         """Run ``request``'s choices; a JSON body, or an SSE stream that has every
         choice's first delta (``fanout.event_stream``)."""
-        stream = run_choices(self, request, self.finished)
+        stream = run_choices(self.generate, request, self.finished)
         text_of = token_id_text if request.tokens_as_ids else self.text_of
         if not request.stream:
             return bodies.body(request, await collect(stream, self.timeout_s), text_of)

@@ -7,17 +7,15 @@ the engine's ValueError 400); ``/health`` asks the router actors.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from kvroute.cluster.client import KVRouteClient
 from kvroute.cluster.messages import OverloadedError, ReplicaUnavailableError
 from kvroute.deploy.backends.choices import ChoiceBackend
 from kvroute.deploy.metrics import DecisionQuality
 from kvroute.deploy.openai.errors import APIError
-from kvroute.deploy.openai.fanout import Choice
+from kvroute.deploy.openai.fanout import Choice, EngineRequest
 from kvroute.replica.outputs import TokenDelta
-from kvroute.replica.sampling_params import SamplingParams
-from kvroute.router.types import RouteOutcome
 
 
 class ClusterBackend(ChoiceBackend):
@@ -32,18 +30,9 @@ class ClusterBackend(ChoiceBackend):
         self.generation = generation  # the config generation this ingress was built with (ARCHITECTURE.md §5.1)
         self.accuracy = accuracy
 
-    async def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        gen = self.client.generate(token_ids, params, cache_salt, request_id=request_id, on_route=on_route,
-                                   lora_name=lora_name)  # fmt: skip
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        gen = self.client.generate(request.token_ids, request.params, request.cache_salt, request_id=request.request_id,
+                                   on_route=request.on_route, lora_name=request.lora_name)  # fmt: skip
         try:
             async for delta in gen:
                 yield delta

@@ -4,12 +4,12 @@ engine)."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from kvroute.deploy.backends.choices import ChoiceBackend
+from kvroute.deploy.openai.fanout import EngineRequest
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.outputs import TokenDelta
-from kvroute.replica.sampling_params import SamplingParams
 from kvroute.router.types import RouteOutcome
 
 
@@ -20,18 +20,10 @@ class EngineBackend(ChoiceBackend):
         super().__init__(engine.engine.tokenizer, timeout_s)
         self.engine = engine
 
-    async def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        on_route(RouteOutcome(self.engine.replica_id))
-        gen = self.engine.generate(token_ids, params, request_id=request_id, cache_salt=cache_salt, lora_name=lora_name)
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        request.on_route(RouteOutcome(self.engine.replica_id))
+        gen = self.engine.generate(request.token_ids, request.params, request_id=request.request_id,
+                                   cache_salt=request.cache_salt, lora_name=request.lora_name)  # fmt: skip
         try:
             async for delta in gen:
                 yield delta

@@ -2,7 +2,8 @@
 with a deadline, and SSE framing.
 
 A prepared request with ``n`` choices over ``P`` prompts runs as ``n * P`` engine
-requests (``run_choices``); their deltas arrive interleaved as ``(Choice, TokenDelta)``
+requests (``run_choices``), each an ``EngineRequest`` handed to the backend's
+``generate``; their deltas arrive interleaved as ``(Choice, TokenDelta)``
 pairs. ``collect`` drains that stream for a JSON response, ``event_stream`` turns it into
 SSE bytes. Closing the stream (finished, failed, client gone, timed out) aborts every
 choice still running.
@@ -14,7 +15,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from kvroute.deploy.openai.errors import APIError, bad_request, error_body
 from kvroute.deploy.openai.protocol import PreparedRequest
@@ -25,21 +26,29 @@ from kvroute.router.types import RouteOutcome
 Stream = AsyncIterator[tuple["Choice", TokenDelta]]
 
 
-class EngineStreams(Protocol):
-    def generate(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: Optional[str],
-        lora_name: Optional[str],
-        on_route: Callable[[RouteOutcome], None],
-    ) -> AsyncIterator[TokenDelta]:
-        """Stream one engine request (``lora_name``: with that LoRA adapter; None: the
-        base model); ``on_route`` gets where it went (once it is there). Raises
-        ValueError for a bad request and ``APIError`` (429/503) when it cannot be
-        served; closing the iterator aborts the request."""
+def _unrouted(outcome: RouteOutcome) -> None:
+    """An ``EngineRequest`` nobody asked where it ran."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One engine request: one choice of one prompt of a prepared request, as a backend
+    runs it. ``lora_name``: with that LoRA adapter (None: the base model);
+    ``on_route`` gets where it went (once it is there). Frozen: the fan-out hands the
+    same value to a backend that may retry or resume it elsewhere."""
+
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str
+    cache_salt: Optional[str] = None
+    lora_name: Optional[str] = None
+    on_route: Callable[[RouteOutcome], None] = _unrouted
+
+
+# A backend's one engine request: its deltas as they come. Raises ValueError for a bad
+# request and ``APIError`` (429/503) when it cannot be served; closing the iterator
+# aborts the request.
+Generate = Callable[[EngineRequest], AsyncIterator[TokenDelta]]
 
 
 @dataclass
@@ -79,9 +88,7 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-async def run_choices(
-    engines: EngineStreams, request: PreparedRequest, on_finished: Callable[[Choice], None]
-) -> Stream:
+async def run_choices(generate: Generate, request: PreparedRequest, on_finished: Callable[[Choice], None]) -> Stream:
     """Every choice's deltas as they come, interleaved (``PreparedRequest`` says which
     prompt and parameters each choice runs); ``on_finished(choice)`` as each finishes.
     Closing this iterator (the caller left) cancels every choice, which aborts its
@@ -92,14 +99,8 @@ async def run_choices(
 
     async def pump(choice: Choice) -> None:
         try:
-            gen = engines.generate(
-                request.prompts[choice.prompt_index],
-                request.params[choice.index % n],
-                request_id=f"{rid}-{choice.index}",
-                cache_salt=request.cache_salt,
-                lora_name=request.lora_name,
-                on_route=choice.routed,
-            )
+            gen = generate(EngineRequest(tuple(request.prompts[choice.prompt_index]), request.params[choice.index % n],
+                                         f"{rid}-{choice.index}", request.cache_salt, request.lora_name, choice.routed))
             try:
                 async for delta in gen:
                     await queue.put((choice, delta))

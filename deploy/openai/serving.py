@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What answers the requests ``OpenAIServing`` prepared."""
+    """What answers the requests ``OpenAIServing`` prepared: the one contract of every
+    backend in ``deploy/backends/`` (the engine replicas, one in-process engine, external
+    workers), each given one frozen ``PreparedRequest``."""
 
     async def answer(self, request: PreparedRequest) -> Answer:
         """The JSON body or the SSE stream of ``request``. Raises ``APIError`` (a 4xx
