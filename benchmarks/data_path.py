@@ -7,8 +7,12 @@ Every system runs on the same two emulated engine replicas (``--emulate
 gpu_h100_llama3_8b --time-scale 0.25`` by default: the real scheduler and KV cache, no
 model, each step timed by the profile), started afresh for each system:
 
-- ``kvroute_haproxy``: ``kvroute serve --proxy haproxy`` (Ray Serve's HAProxy and
-  throughput-optimised path, the default; ``deploy/serve_proxy.py``),
+- ``kvroute_direct``: ``kvroute serve`` as it starts by default: HAProxy forwards each
+  request straight to the engine replica an ingress request router chose
+  (``deploy/direct_app.py``),
+- ``kvroute_haproxy``: ``kvroute serve --proxy haproxy --data-path composed`` (Ray
+  Serve's HAProxy and throughput-optimised path, ``deploy/serve_proxy.py``, in front of
+  the ingress deployment),
 - ``kvroute_python``: ``kvroute serve --proxy python`` (Serve's proxy actor),
 - ``kvroute_workers``: ``kvroute serve --workers`` in front of two ``kvroute
   serve-replica`` processes, their KV events on (``--no-worker-events``: off),
@@ -60,13 +64,14 @@ from kvroute.benchmarks.fleet_probes import SERVED_NAME, free_port, wait_http
 from kvroute.benchmarks.fleets import _CLI, EXTERNAL_ROUTERS, FleetConfig, external_available
 
 NAME = "data_path"
-SYSTEMS = ("kvroute_haproxy", "kvroute_python", "kvroute_workers", "sglang_router", "vllm_router", "direct")
+SYSTEMS = ("kvroute_direct", "kvroute_haproxy", "kvroute_python", "kvroute_workers", "sglang_router", "vllm_router", "direct")
 ENGINE_KINDS = ("EngineReplica", "serve-replica")  # the engine replicas: not the routing layer
 MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
 # words SmolLM2's tokenizer keeps as one token after a space: N words are N tokens
 WORDS = "alpha beta gamma delta epsilon theta lambda mu nu xi pi rho sigma tau".split()
-LABELS = {"kvroute_haproxy": "`kvroute serve --proxy haproxy`", "kvroute_python": "`kvroute serve --proxy python`",
+LABELS = {"kvroute_direct": "`kvroute serve` (direct path)",
+          "kvroute_haproxy": "`kvroute serve --data-path composed` (HAProxy)", "kvroute_python": "`kvroute serve --proxy python`",
           "kvroute_workers": "`kvroute serve --workers` over two `serve-replica`",
           "sglang_router": "sglang-router `cache_aware`", "vllm_router": "vllm-router `cache_aware`",
           "direct": "direct to the replica (no router)"}  # fmt: skip
@@ -287,8 +292,10 @@ def kvroute_serve(proxy: Optional[str], engine: dict[str, Any], log: Path, worke
     port = free_port()
     cmd = [sys.executable, "-c", _CLI, "serve", "--model", MODEL, "--served-model-name", SERVED_NAME,
            "--block-size", str(BLOCK_SIZE), "--port", str(port)]  # fmt: skip
-    if proxy:
-        cmd += ["--proxy", proxy]
+    if proxy == "direct":
+        cmd += ["--proxy", "haproxy", "--data-path", "direct"]
+    elif proxy:
+        cmd += ["--proxy", proxy, "--data-path", "composed"]
     if workers is not None:
         cmd += ["--workers", workers]
     else:
@@ -348,7 +355,7 @@ def _output_to(log: Path) -> Iterator[None]:
 
 @contextmanager
 def start_system(name: str, engine: dict[str, Any], log_dir: Path, worker_events: bool) -> Iterator[Running]:
-    if name in ("kvroute_haproxy", "kvroute_python"):
+    if name in ("kvroute_direct", "kvroute_haproxy", "kvroute_python"):
         with kvroute_serve(name.split("_")[1], engine, log_dir / f"{name}.log") as (url, proc):
             yield Running(lambda _p: url, {proc.pid: "kvroute serve (driver)"}, {"base_url": url})
         return

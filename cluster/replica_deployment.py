@@ -333,7 +333,8 @@ def replica_version(config: ClusterConfig) -> str:
 
 
 def build_engine_deployment(
-    config: ClusterConfig, version: str | None = None, engine_factory: EngineFactory | None = None
+    config: ClusterConfig, version: str | None = None, engine_factory: EngineFactory | None = None,
+    replica_class: type = EngineReplica, extra_args: tuple = (),
 ) -> serve.Application:
     """The replica deployment bound to ``config`` (run it with ``serve.run``).
 
@@ -341,7 +342,9 @@ def build_engine_deployment(
     every ``serve.run`` replaces every replica, since ``serve.run`` draws a random
     version for a deployment that has none. With it, Serve compares only the version
     and the deployment options: the init args (``config``) of running replicas are
-    kept as they were, which is why the version must cover every field they use."""
+    kept as they were, which is why the version must cover every field they use.
+    ``replica_class``: ``EngineReplica`` or a subclass (the direct path's, which also
+    serves HTTP), given ``extra_args`` after the config and factory."""
     options: dict[str, Any] = {
         "name": config.deployment_name,
         "max_ongoing_requests": config.max_ongoing_requests,
@@ -357,9 +360,9 @@ def build_engine_deployment(
     # Replicas get the config with the scaling fields neutral: a change of replica count
     # must not look like new code to Serve (which would replace every replica).
     replica_config = dataclasses.replace(config, num_replicas=1, autoscaling_config=None)
-    deployment = serve.deployment(EngineReplica).options(**options)
+    deployment = serve.deployment(replica_class).options(**options)
     if version is not None:
         # Ray 2.60 took `version` out of the public options; Serve itself still sets it
         # this way (a second call, so the user-configured option names stay as above).
         deployment = deployment.options(_internal=True, version=version)
-    return deployment.bind(replica_config, engine_factory)
+    return deployment.bind(replica_config, engine_factory, *extra_args)

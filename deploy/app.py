@@ -179,6 +179,10 @@ def compose_app(
         from kvroute.cluster.app_state import with_app_hash_seed
 
         config = with_app_hash_seed(config)
+    if parsed.ingress.data_path == "direct":  # the engine replicas are the ingress (deploy/direct_app.py)
+        from kvroute.deploy.direct_app import compose_direct_app
+
+        return compose_direct_app(parsed, config, engine_version)
     bound = () if parsed.workers is not None else (build_engine_deployment(config, version=engine_version),)
     ingress = _ingress_deployment(parsed, ingress_version, ingress_options)
     return ingress.bind(parsed.model_dump(), config, *bound)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -134,6 +134,11 @@ class IngressSpec(ServerLimits):
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: Optional[str] = None
+    data_path: Literal["composed", "direct"] = Field(
+        default="composed", description="composed: this ingress deployment in front of the engine replicas (any "
+        "proxy; resumes a stream whose replica dies); direct: the engine replicas serve the API themselves behind "
+        "HAProxy, an ingress request router of num_replicas x num_cpus choosing for each request "
+        "(deploy/direct_app.py)")  # fmt: skip
 
     @model_validator(mode="after")
     def _tool_flags(self) -> "IngressSpec":

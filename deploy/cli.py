@@ -228,6 +228,16 @@ def _serve_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def data_path(args: argparse.Namespace) -> str:
+    """``--data-path``, or its default: direct on a cluster this command starts with
+    HAProxy, composed in front of workers, with Serve's Python proxy, or on a joined
+    cluster (whose proxy this command cannot know)."""
+    if args.data_path is not None:
+        return args.data_path
+    fast = args.address is None and (args.proxy or "haproxy") == "haproxy"
+    return "direct" if fast and args.workers is None else "composed"
+
+
 def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool = True):
     """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``, on a
     machine (``local``) or cluster with ``visible_gpus`` GPUs (``deploy/replica_gpus.py``)."""
@@ -256,7 +266,8 @@ def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool 
         ],
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
                     "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas,
-                    **{k: getattr(limits, k) for k in _STORE_BOUNDS}, **_tool_ingress_args(args)},
+                    **{k: getattr(limits, k) for k in _STORE_BOUNDS}, **_tool_ingress_args(args),
+                    "data_path": data_path(args)},
     }  # fmt: skip
     if args.dynamic_lora_path is not None:  # serve.yaml's lora_config (enable_lora implied)
         app["llm_configs"][0]["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_path,
@@ -391,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the HTTP proxy of the cluster this command starts: haproxy (the default; Ray Serve's "
                         "high-throughput path) or python (Serve's proxy actor); a cluster joined with --address keeps "
                         "its own (docs/cluster.md)")
+    s.add_argument("--data-path", default=None, choices=("direct", "composed"),
+                   help="direct (the default with HAProxy): the engine replicas serve the API themselves, HAProxy "
+                        "forwards each request to the one an ingress request router chooses; composed (the default "
+                        "otherwise): an ingress deployment in front of them, which resumes a stream whose replica "
+                        "dies on another")
     s.add_argument("--workers", default=None, metavar="URL[=EVENTS[=REPLAY]][,...]",
                    help="route to these OpenAI-compatible servers (vLLM, kvroute serve-replica) instead of starting "
                         "replicas; --model is their model folder (the tokenizer), --block-size their block size; "

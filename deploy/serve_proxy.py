@@ -27,7 +27,10 @@ from pathlib import Path
 PROXIES = ("haproxy", "python")
 
 # what Ray Serve 2.60 reads at start for its high-throughput path
-FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# (the third lets HAProxy post each request's body to the direct path's ingress request
+# router, which routes on the prompt: deploy/direct_router.py)
+FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                 "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 
 
 # HAProxy's own listeners (stats page, Prometheus metrics), on fixed ports unless set:

@@ -1,9 +1,13 @@
-"""``kvroute serve`` as the installed script, one start for the module (``served``): it
-runs the cluster and answers; then chaos through HTTP: it loses a replica process and
-then the router actor's process to SIGKILL while 20 greedy streams run; every stream
-completes with the text of an undisturbed run (the client resumes a cut stream on
-another replica with the tokens it already sent, and routing falls back until the
-router is back), and the service recovers; last, Ctrl-C stops it cleanly (exit 0)."""
+"""``kvroute serve`` as the installed script, one start for the module (``served``), on
+its default data path (HAProxy straight to the engine replicas, ``deploy/direct_app.py``):
+it runs the cluster and answers, routes a repeated prefix to the replica that caches it,
+and answers a bad body with the API's 400 (not the router's failure); then chaos through
+HTTP: it loses a replica process and then the router actor's process to SIGKILL while
+20 greedy streams run. The streams of the killed replica end with an error (on the
+direct path a stream's ingress is its replica: the composed path's resume is tested in
+tests/cluster and tests/multinode), every other stream completes with the text of an
+undisturbed run, routing falls back until the router is back, and the service recovers;
+last, Ctrl-C stops it cleanly (exit 0)."""
 
 from __future__ import annotations
 
@@ -41,7 +45,15 @@ def _pids(url: str) -> dict[str, list[int]]:
     return out
 
 
-async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
+async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str | None:
+    """The stream's text, or None where the connection was cut before it ended."""
+    try:
+        return await _stream_text(c, i, progress)
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return None
+
+
+async def _stream_text(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
     body = {
         "prompt": f"Chaos stream {i}: the archive keeps",
         "max_tokens": MAX_TOKENS,
@@ -49,10 +61,11 @@ async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
         "ignore_eos": True,
         "stream": True,
     }
-    text = []
+    text, done = [], False
     async with c.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
         async for line in resp.aiter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
@@ -60,6 +73,8 @@ async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
             for choice in event["choices"]:
                 text.append(choice["text"])
                 progress[i] += 1
+    if not done:
+        raise httpx.RemoteProtocolError("the stream ended without [DONE]")
     return "".join(text)
 
 
@@ -100,6 +115,23 @@ def test_serve_command_runs_the_cluster(served):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_apis_errors(served):
+    _, _, url = served
+    prefix = " ".join(f"ledger{i}" for i in range(60))
+    cached = []
+    for turn in range(4):  # each turn lands where the previous ones cached the prefix
+        body = {"messages": [{"role": "user", "content": f"{prefix} turn {turn}"}], "max_tokens": 2}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and min(cached[1:]) >= 60, cached
+    # what the router cannot read is placed by load; the replica answers with the API's error
+    r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": "hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
     proc, _, url = served
     assert proc.poll() is None
@@ -130,7 +162,9 @@ def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
 
     disturbed = asyncio.run(_run_all(url, chaos))
     assert set(killed) == {"replica", "router"}
-    mismatched = [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]
+    cut = [i for i, text in enumerate(disturbed) if text is None]
+    assert 0 < len(cut) < STREAMS, f"cut streams {cut}: the killed replica's should end, the other's go on"
+    mismatched = [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if b is not None and a != b]
     assert not mismatched, f"streams {mismatched} differ from the undisturbed run"
 
     # Serve replaces the replica and Ray restarts the router: the service recovers.

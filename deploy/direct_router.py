@@ -1,0 +1,168 @@
+"""The direct path's ingress request router: HAProxy asks it where each POST goes.
+
+On the direct path (``deploy/direct_app.py``) the engine replicas serve the HTTP API
+themselves and HAProxy forwards each request straight to one of them. Before it
+forwards a POST, HAProxy's Lua action posts the request's body to this deployment's
+``/internal/route`` and sends the request to the replica the answer names, with the
+answer's ``request_headers`` added (Ray Serve's ingress request router contract).
+
+Here a body becomes the tokens the replica will run: the chat template and tokenizer
+of the replica's own serving code (chat, completions, Anthropic messages, and Responses
+with the stored conversation a ``previous_response_id`` continues), hashed into the
+prompt's full blocks under the cluster's ``HashSpec``. The engine deployment's kvroute
+request router then ranks the replicas with them exactly as on the composed path
+(one ``rank`` call to a router actor) and Serve names the first that has room. The
+decision goes to the replica in one header (``deploy/direct_route.py``).
+
+No body is refused here: what cannot be read (truncated, not JSON, a field the API
+refuses) is placed by load alone, and the replica answers it with the API's own error,
+since HAProxy would turn any answer but 200 into a 503. Structured outputs are not
+compiled here; only the prompt matters for routing.
+"""
+
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from ray import serve
+
+from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.messages import GenerateRequest
+from kvroute.cluster.request_router import RouteSlot
+from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_create_response_store
+from kvroute.deploy.app_config import ingress_limits, parse_args
+from kvroute.deploy.direct_route import ROUTE_HEADER, encode_route
+from kvroute.deploy.openai.messages.api import chat_request
+from kvroute.deploy.openai.messages.request import parse_request
+from kvroute.deploy.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvroute.deploy.openai.responses.request import ResponsesRequest, chat_body
+from kvroute.deploy.openai.serving import OpenAIServing
+from kvroute.deploy.openai.tools.serving import plan_tools
+from kvroute.replica.block_hash import hash_blocks
+from kvroute.replica.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_THREAD_ABOVE_BYTES = 64 * 1024  # bodies this large are templated and tokenized off the event loop
+_NO_PARAMS = SamplingParams(max_tokens=1)  # the ranked call is never run: routing reads only hashes and lengths
+
+router_api = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+
+class RoutePrompts:
+    """The prompt tokens, adapter and salt a request body will run with, as the
+    replica's ``OpenAIServing`` will compute them (None: not readable as a request)."""
+
+    def __init__(self, serving: OpenAIServing, store: Optional[RemoteResponseStore]) -> None:
+        self.serving = serving
+        self.store = store
+        self.names = set(serving.served.names)
+
+    async def of(self, raw: bytes) -> Optional[tuple[list[int], Optional[str], Optional[str]]]:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        try:
+            return await self._of(raw, data)
+        except (ValueError, TypeError, KeyError, ValidationError):
+            return None
+        except Exception as exc:  # noqa: BLE001 - the API's own errors (APIError): the replica answers them
+            log.debug("route: body not routable by prefix (%r)", exc)
+            return None
+
+    async def _of(self, raw: bytes, data: dict[str, Any]) -> Optional[tuple[list[int], Optional[str], Optional[str]]]:
+        if "prompt" in data:
+            req = CompletionRequest.model_validate(data)
+            ids, _ = await self._run(raw, self.serving._prompt_ids, req.prompts()[:1], req)
+            return ids[0], self._lora(req.model), req.cache_salt
+        if "input" in data:
+            chat = await self._responses_chat(data)
+        elif "messages" in data:
+            chat = data if "system" not in data and "stop_sequences" not in data else None
+            try:
+                req = ChatCompletionRequest.model_validate(chat) if chat is not None else None
+            except ValidationError:
+                req = None
+            if req is None:  # Anthropic's shape: the chat request it translates to
+                chat = chat_request(parse_request(raw))
+        else:
+            return None
+        req = ChatCompletionRequest.model_validate(chat)
+        plan = plan_tools(self.serving.tool_config, req)
+        req = self.serving.reasoning.with_effort(req)
+        ids = await self._run(raw, self.serving._chat_ids, req, plan.tools)
+        return ids, self._lora(req.model), req.cache_salt
+
+    async def _responses_chat(self, data: dict[str, Any]) -> dict[str, Any]:
+        req = ResponsesRequest.model_validate(data)
+        previous: list[dict[str, Any]] = []
+        if req.previous_response_id is not None and self.store is not None:
+            raw = await self.store.get(req.previous_response_id)
+            if raw is not None:  # (a missing one is the replica's 400 to give)
+                previous = json.loads(raw)["conversation"]
+        return chat_body(req, previous, req.conversation_items())
+
+    def _lora(self, model: Optional[str]) -> Optional[str]:
+        """The adapter ``model`` names as ``ServedModels.resolve`` reads it (whether it
+        exists is the replica's to say)."""
+        if model is None or model in self.names:
+            return None
+        base, colon, adapter = model.partition(":")
+        return adapter if colon and adapter and base in self.names else model
+
+    @staticmethod
+    async def _run(raw: bytes, fn: Any, *args: Any) -> Any:
+        if len(raw) > _THREAD_ABOVE_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+
+@serve.ingress(router_api)
+class IngressRouter:
+    """``POST /internal/route`` for HAProxy; ``GET /health`` for operators."""
+
+    async def __init__(self, args: dict[str, Any], config: ClusterConfig, server: Any) -> None:
+        from kvroute.deploy.app import load_model_info
+
+        parsed = parse_args(args)
+        tokenizer, max_model_len, vocab_size, defaults = await load_model_info(config)
+        limits = ingress_limits(parsed)
+        name = parsed.llm_configs[0].model_loading_config.model_id
+        aliases = () if config.engine.model == name else (config.engine.model,)
+        serving = OpenAIServing(name, tokenizer, max_model_len, vocab_size, None, limits, aliases,
+                                tool_config=parsed.ingress.tool_config(), generation_defaults=defaults)  # fmt: skip
+        store = RemoteResponseStore(get_or_create_response_store(config.app_name, limits.response_store_bounds()))
+        self.prompts = RoutePrompts(serving, store)
+        self.hash_spec = config.hash_spec
+        self.handle = server
+        self.counts = {"routed": 0, "by_load": 0}
+
+    @router_api.post("/internal/route")
+    async def route(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        key = None if "x-body-truncated" in request.headers else await self.prompts.of(raw)
+        ids, lora, salt = key if key is not None else ([], None, None)
+        self.counts["routed"] += 1
+        self.counts["by_load"] += key is None
+        call = GenerateRequest(request_id=uuid.uuid4().hex, token_ids=ids, params=_NO_PARAMS,
+                               block_hashes=hash_blocks(self.hash_spec, ids, salt, lora_name=lora), cache_salt=salt,
+                               lora_name=lora)  # fmt: skip
+        slot = RouteSlot()
+        async with self.handle.choose_replica(call, slot, _reserve=False) as selection:
+            replica_id = selection._replica.replica_id.to_full_id_str()
+        answer: dict[str, Any] = {"replica_id": replica_id}
+        if slot.decision is not None:
+            answer["request_headers"] = {ROUTE_HEADER: encode_route(slot.decision)}
+        return answer
+
+    @router_api.get("/health")
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", **self.counts}
