@@ -43,6 +43,13 @@ hash ids (``traces.ideal_hit_rate``), beside every router's hit; the measured ro
 ``best_hit_rate`` is the same ceiling counted in 16-token blocks of the prompts sent (at
 least as high: it also credits a request that shares part of an id's tokens).
 
+``fork`` (asked for by name): N sub-agents branching from one long prefix at once
+(``fork_workload.py``: 8 parents of 40K tokens, 43 sub-agents each, released together when
+their parent ends); kvroute may pull the prefix to other replicas
+(``router/policies/kv_pull_pricing.py``), ``--policy-kwargs '{"pulls": false}'`` runs it
+without. The emulated replicas report their profile's pull figures and act on pulls, and
+the simulator mirrors them (``SimConfig(pulls=True)``).
+
 ``--sim-only`` fills the whole matrix (every router, load and scenario) from the
 simulator alone in minutes, with no Ray and no replicas: the rows then hold the
 predictions, and the measured columns repeat them.
@@ -90,6 +97,7 @@ SCENARIOS = {
     "multi-turn": Scenario("multi-turn"),
     "scale-out": Scenario("generated-shared-prefix", add_fraction=1 / 4),
     "mooncake": Scenario("mooncake", {"tokens_per_id": 64, "max_output_len": 128}, kv_pressure=1.3),
+    "fork": Scenario("fork"),
 }
 DEFAULT_SCENARIOS = ("gsp", "b2b", "b2b-over", "zipf", "multi-tenant", "failure", "multi-turn", "scale-out")
 # the simulator's stand-in for each router
@@ -174,8 +182,8 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     from kvroute.benchmarks.sim.capacity import estimate_capacity
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
 
-    cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
-                    max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS)  # fmt: skip
+    cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                    max_num_seqs=MAX_NUM_SEQS, pulls=True)  # as the emulated Serve replicas, which act on pulls  # fmt: skip
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
     out = {}
     for rate in rates:

@@ -31,6 +31,7 @@ Generators and where their parameters come from:
   sends; a real server generates its own answer, and a serving benchmark that wants
   exact prefix reuse sends the planned answer as the assistant message.
 
+- :func:`fork` (``fork_workload.py``): N sub-agents branch from one long prefix at once.
 - :func:`long_document_qa`: vLLM ``benchmark_long_document_qa_throughput.py``: 8
   documents of 20,000 tokens, each asked twice (``repeat_mode`` random / tile /
   interleave), 10 output tokens.
@@ -55,6 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvroute.benchmarks import traces
+from kvroute.benchmarks.fork_workload import fork
 from kvroute.benchmarks.workload_types import RequestSpec, Workload
 
 DEFAULT_VOCAB = 32000
@@ -409,6 +411,7 @@ WORKLOADS = {
     "multi-tenant": multi_tenant,
     "multi-turn": multi_turn,
     "long-document-qa": long_document_qa,
+    "fork": fork,
     "mooncake": mooncake,
 }
 

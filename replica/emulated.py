@@ -17,6 +17,7 @@ LoRA adapters (``enable_lora``): only their configs are read (a folder's
 ``adapter_config.json``, for the rank); ``max_loras`` slots hold the resident ones (LRU,
 ``replica/lora/slots.py``), and a step that needs a cold one takes its slot load too,
 the profile's ``adapter_load_time`` (bytes ÷ host → device bandwidth), scaled as the step.
+A KV import from another replica takes the profile's ``pull_time`` for its bytes (``pull``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ class EmulatedModel:
         left = seconds * self.time_scale - (self._clock() - start)
         if left > 0:
             self._sleep(left)
+
+    def pull(self, nbytes: int) -> float:
+        """Take the profile's time to pull ``nbytes`` of KV from another replica (setup +
+        bytes over its bandwidth, ``StepProfile.pull_time``), scaled as a step; returns
+        the unscaled seconds. Runs in the import's worker thread, beside the steps."""
+        seconds = self.profile.pull_time(nbytes)
+        if seconds > 0:
+            self._sleep(seconds * self.time_scale)
+        return seconds
 
     def take_restore_timings(self) -> list[tuple[int, float]]:
         """``(tokens, seconds)`` of the restores since the last call, timed as the engine

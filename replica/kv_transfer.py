@@ -38,7 +38,6 @@ the device-to-device or through-the-host bandwidth), scaled as its steps are.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -300,9 +299,7 @@ class KVTransfer:
         if not res.fresh:
             return
         if self.emulated:
-            runner = self.engine.runner
-            nbytes = res.payload.nbytes * len(res.fresh) // max(1, res.payload.header.num_blocks)
-            time.sleep(runner.profile.pull_time(nbytes) * runner.time_scale)
+            self.engine.runner.pull(res.payload.nbytes * len(res.fresh) // max(1, res.payload.header.num_blocks))
             return
         import torch
 

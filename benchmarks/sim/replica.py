@@ -46,6 +46,7 @@ class SimRequest:
     first_token_s: float | None = None
     available_tokens: int = 0
     finish_s: float | None = None
+    pulled_tokens: int = 0  # prompt tokens pulled from another replica before it queued
 
 
 def planned_token(spec: RequestSpec, i: int) -> int:

@@ -14,7 +14,9 @@ deterministic for a fixed workload and seed):
 - failure: the first ``failing_replicas`` replicas die; each is replaced at once by an
   empty one under the same id (the router drops the old one and adds the new), and
   every request it held is routed again, keeping its arrival time and any first token
-  already streamed (a retry redoes its whole prefill and decode).
+  already streamed (a retry redoes its whole prefill and decode);
+- pulled (``pulls``): a request whose decision names ``pull_from`` is queued at its
+  replica once the prefix has moved there (``pulls.py``).
 
 The router's clock is the simulation's clock, so its pending-entry TTL runs in
 simulated seconds.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvroute.replica.profiles import StepProfile
+from kvroute.benchmarks.sim import pulls
 from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
 from kvroute.benchmarks.workloads import RequestSpec, Workload
 from kvroute.replica.block_hash import HashSpec, hash_blocks
@@ -50,7 +53,7 @@ from kvroute.replica.kv_events import KVEvents
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.reuse import ReuseAccount
 
-_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL, _PEER, _DECIDE = 0, 1, 2, 3, 4, 5, 6
+_ARRIVAL, _STEP_END, _EVENTS, _JOIN, _FAIL, _PEER, _DECIDE, _PULLED = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class SimConfig:
     max_loras: int = 0  # LoRA adapter slots per replica (0: no adapters)
     lora_rank: int = 16  # every adapter's rank (its slot load: the profile's adapter_load_time)
     max_requests: int = 0  # a replica holding this many passes a request to the one holding fewest (Serve's cap; 0: none)
+    pulls: bool = False  # replicas report the profile's pull figures and act on a decision's pull_from (pulls.py)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -150,6 +154,8 @@ class Simulation:
         self.reasons: dict[str, int] = {}
         self.num_retried = 0
         self.passed_on = 0  # requests a full replica passed to another (``max_requests``)
+        self.pull_stats = pulls.PullStats()
+        self._inflight: dict[str, list[tuple[list, list[SimRequest]]]] = {}  # replica -> pulls: (hashes, waiters)
 
     def _add(self, replica_ids: list[str]) -> None:
         for router in self.routers:
@@ -162,6 +168,8 @@ class Simulation:
         rep = SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks, c.max_loras,
                          c.lora_rank)  # fmt: skip
         rep.telemetry.max_requests = c.max_requests  # reported, as an engine replica under Serve reports its cap
+        if c.pulls:
+            pulls.report_pulls(rep)
         return rep
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -197,6 +205,8 @@ class Simulation:
             elif kind == _PEER:
                 router, args = payload
                 router.note_routed(*args)
+            elif kind == _PULLED:
+                self._pulled(*payload)
             else:
                 self._deliver(payload)
         return self.metrics()
@@ -250,10 +260,43 @@ class Simulation:
         req.route_ticket = decision.ticket
         sim = SimRequest(spec, req, arrival_s, rep.replica_id,
                          decision.expected_cached_tokens, decision.reason, first_token_s, decision.available_tokens)  # fmt: skip
-        rep.add(sim)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        if self.config.pulls and decision.pull_from is not None and rep.replica_id == decision.replica_id:
+            run = pulls.lease(self.replicas[decision.pull_from], hashes, decision.pull_tokens // self.config.block_size)
+            if run.blocks:  # the prefix moves first; the request queues when it is there
+                nbytes = pulls.missing(rep, run) * self.config.block_size * self.cost.kv_bytes_per_token
+                waiters = [sim]
+                self._inflight.setdefault(rep.replica_id, []).append(([b[0] for b in run.blocks], waiters))
+                self._push(self.now + self.cost.pull_time(nbytes), _PULLED, (rep, waiters, run, nbytes))
+                return
+            self.pull_stats.fallbacks["not_cached"] = self.pull_stats.fallbacks.get("not_cached", 0) + 1
+        for run_hashes, waiters in self._inflight.get(rep.replica_id, ()):  # a pull of its prefix is on its way
+            if hashes[: len(run_hashes)] == run_hashes:
+                waiters.append(sim)
+                return
+        self._queue(rep, sim)
+
+    def _queue(self, rep: SimReplica, sim: SimRequest) -> None:
+        rep.add(sim)
         if not rep.busy:
             self._start(rep)
+
+    def _pulled(self, rep: SimReplica, waiters: list[SimRequest], run: "pulls.Lease", nbytes: int) -> None:
+        """A pull ends: the run is cached at ``rep`` and the request that asked for it,
+        then those that came for the same prefix meanwhile, queue there (if ``rep``
+        died meanwhile, they are routed again)."""
+        if self.replicas[rep.replica_id] is not rep:
+            for sim in waiters:
+                self._route(sim.spec, 0, sim.arrival_s, sim.first_token_s)
+            return
+        self._inflight[rep.replica_id] = [p for p in self._inflight[rep.replica_id] if p[1] is not waiters]
+        blocks = pulls.commit(rep, run)
+        st = self.pull_stats
+        st.pulls, st.pulled_bytes, st.seconds = st.pulls + 1, st.pulled_bytes + nbytes, st.seconds + self.cost.pull_time(nbytes)
+        st.pulled_tokens += blocks * self.config.block_size
+        waiters[0].pulled_tokens = blocks * self.config.block_size
+        for sim in waiters:
+            self._queue(rep, sim)
 
     def _fail(self, replica_ids: list[str]) -> None:
         """The replicas die and come back empty; what they held is routed again."""
@@ -261,6 +304,7 @@ class Simulation:
         for rid in replica_ids:
             lost += self.replicas[rid].requests.values()
             self.replicas[rid] = self._new_replica(rid)  # the dead one's pending step end is ignored
+            self._inflight.pop(rid, None)  # its pulls' requests are routed again when each pull would have ended
             for router in self.routers:
                 router.remove_replica(rid)
             self._add([rid])
@@ -314,7 +358,7 @@ class Simulation:
         reuse = ReuseAccount()
         for s in done:
             reuse.add(s.spec.num_prompt_tokens, s.available_tokens, s.expected_cached_tokens,
-                      max(s.request.num_cached_tokens, 0), s.reason)  # fmt: skip
+                      max(s.request.num_cached_tokens, 0), s.reason, s.pulled_tokens)  # fmt: skip
         leaked = sum(sum(1 for c in rep.block_ref_counts() if c) for rep in self.replicas.values())
         loads = sum(rep.loras.num_slot_loads for rep in self.replicas.values() if rep.loras is not None)
         per_replica = {rid: 0 for rid in self.replicas}
@@ -347,6 +391,7 @@ class Simulation:
             "leaked_blocks": leaked,
             "requests_per_replica": per_replica,
             "reasons": dict(sorted(self.reasons.items())),
+            "pulls": self.pull_stats.as_dict(),
             "decisions_per_router": list(self.decisions_per_router),
             "router_spills": self.router_stats["spills"],
             "busy_fraction": {

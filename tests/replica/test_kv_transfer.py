@@ -259,3 +259,26 @@ def test_emulated_engines_move_sizes_and_register_blocks(tiny_llama_path, prompt
     assert deltas[-1].num_cached_tokens == 192
     with pytest.raises(ValueError, match="dtype"):
         _llm(tiny_llama_path).engine.import_blocks(payload)
+
+
+def test_an_emulated_import_takes_the_profiles_pull_time_and_reports_it(tiny_llama_path, prompt):
+    """An emulated import sleeps its profile's pull time for the bytes it writes
+    (through the host: half the host copy bandwidth, plus the setup), scaled as a step;
+    its pull figures (what a router prices) are the profile's, scaled likewise."""
+    def emulated() -> Engine:
+        return Engine(EngineConfig(model=str(tiny_llama_path), block_size=BS, num_kv_blocks=48,
+                                   emulate="gpu_h100_llama3_8b", time_scale=4.0))  # fmt: skip
+
+    a, b = emulated(), emulated()
+    a.add_request("r", prompt, greedy(1))
+    while a.has_unfinished():
+        a.step()
+    slept: list[float] = []
+    b.runner._sleep = slept.append  # the one function replaced: record the emulated time instead of waiting it
+    profile = get_profile("gpu_h100_llama3_8b")
+    payload = a.export_blocks(prompt)
+    assert b.import_blocks(payload).imported == 12
+    assert slept == [pytest.approx(4.0 * (0.002 + payload.nbytes / (profile.host_copy_bytes_per_s / 2)))]
+    assert b.import_blocks(payload).imported == 0 and len(slept) == 1  # all cached already: nothing moves
+    per_token, rate, setup = b.kv_transfer.pull_figures()
+    assert (per_token, rate, setup) == (profile.kv_bytes_per_token, pytest.approx(25.15e9 / 4), pytest.approx(0.008))

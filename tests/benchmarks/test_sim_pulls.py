@@ -1,0 +1,57 @@
+"""Pulls in the simulator (``benchmarks/sim/pulls.py``): on the fork workload (sub-agents
+released together on a long prefix) the replicas the owner's overflow goes to pull the
+prefix instead of recomputing it; the requests that follow a pull to its replica wait
+for it; every pulled block is registered and released, and the reuse split counts the
+pulled tokens as delivered."""
+
+import dataclasses
+
+from kvroute.benchmarks.sim.replica import SimReplica
+from kvroute.benchmarks.sim import pulls
+from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
+from kvroute.benchmarks.workloads import make_workload, with_poisson_arrivals
+from kvroute.replica.block_hash import HashSpec, hash_blocks
+from kvroute.replica.profiles import get_profile
+from kvroute.replica.scheduler import SchedulerConfig
+
+PROFILE = get_profile("gpu_h100_llama3_8b")
+
+
+def _run(pull: bool, **policy):
+    w = with_poisson_arrivals(make_workload("fork", scale=0.25, len_scale=0.25), 0.5, seed=0)  # 2 forks, 10K prefix
+    config = SimConfig(num_replicas=8, kv_blocks=4096, pulls=pull)
+    return Simulation(w, "kvroute", PROFILE, config, **policy).run()
+
+
+def test_the_forks_overflow_pulls_the_prefix_and_its_tail_latency_falls():
+    recompute, pulled = _run(False), _run(True)
+    assert recompute["completed"] == pulled["completed"] == 2 * 44
+    assert recompute["pulls"]["pulls"] == 0 and "pull" not in recompute["reasons"]
+    p = pulled["pulls"]
+    assert p["pulls"] == pulled["reasons"]["pull"] >= 2 and not p["fallbacks"]
+    assert p["pulled_tokens"] == pulled["reuse"]["pulled"] > 0  # counted as reuse delivered
+    assert p["pulled_bytes"] == p["pulled_tokens"] * PROFILE.kv_bytes_per_token
+    assert pulled["hit_rate"] > recompute["hit_rate"]
+    assert pulled["ttft_p90_s"] < 0.5 * recompute["ttft_p90_s"]
+    assert pulled["leaked_blocks"] == recompute["leaked_blocks"] == 0
+    off = _run(True, pulls=False)  # the policy's switch: replicas that could pull are never asked to
+    assert off["pulls"]["pulls"] == 0 and off["ttft_p90_s"] == recompute["ttft_p90_s"]
+
+
+def test_a_commit_registers_what_the_source_held_and_keeps_what_is_already_there():
+    spec = HashSpec(16, 0, "sim")
+    sched = SchedulerConfig(8192, 256)
+    src, dst = (SimReplica(r, 64, spec, PROFILE, sched) for r in ("a", "b"))
+    tokens = list(range(100, 100 + 16 * 10))
+    hashes = hash_blocks(spec, tokens)
+    blocks = src.kv.pool.take_new_blocks(10)
+    for i, (b, h) in enumerate(zip(blocks, hashes)):
+        src.kv.pool.cache_block(b, h, tokens[16 * i : 16 * (i + 1)], hashes[i - 1] if i else None)
+    src.kv.pool.free(reversed(blocks))
+    run = pulls.lease(src, hashes, 8)
+    assert len(run.blocks) == 8 and pulls.missing(dst, run) == 8
+    short = dataclasses.replace(run, blocks=run.blocks[:3])
+    assert pulls.commit(dst, short) == 3 and pulls.missing(dst, run) == 5
+    assert pulls.commit(dst, run) == 8  # the first three kept, five registered
+    assert dst.true_match(hashes) == 8 and all(c == 0 for c in dst.block_ref_counts())
+    assert dst.kv.pool.cached_block(hashes[7]).parent_hash == hashes[6]
