@@ -12,7 +12,6 @@ or ``WorkersBackend`` (the request whole to a worker, ``deploy/backends/workers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ from kvroute.cluster.worker_pool import get_or_create_worker_pool
 from kvroute.cluster.worker_probe import check_specs, cluster_nodes
 from kvroute.deploy.app_config import AppArgs, ingress_limits, parse_args
 from kvroute.deploy.app_metrics import IngressReporter, router_metrics
+from kvroute.deploy.ingress_model import load_model_info, serve_http_host
 from kvroute.deploy.backends.cluster import ClusterBackend
 from kvroute.deploy.backends.workers import WorkerAdapters, WorkersBackend, admin_routes, pool_metrics
 from kvroute.deploy.metrics import DecisionQuality
 from kvroute.deploy.openai.api import build_api, warn_if_open
-from kvroute.deploy.openai.generation_defaults import GenerationDefaults
 from kvroute.deploy.openai.serving import AdapterHost, Backend, OpenAIServing, ServerLimits
 
 log = logging.getLogger(__name__)
@@ -55,17 +54,6 @@ class IngressParts:
     keepalive: Optional[Callable[[], Any]] = None
 
 
-def _serve_http_host() -> Optional[str]:
-    """The address Serve's proxies listen on (None where it cannot be read: Serve keeps it
-    in its controller, behind a client that is not public API)."""
-    try:
-        from ray.serve.context import _get_global_client
-
-        return _get_global_client().http_config.host
-    except Exception:  # noqa: BLE001 - only the warning's wording depends on it
-        return None
-
-
 @serve.ingress()
 class OpenAIIngress:
     """The HTTP ingress of both modes: the OpenAI API over the mode's backend (an engine
@@ -82,7 +70,7 @@ class OpenAIIngress:
             actor.adopt.remote(config.router_policy, config.router_policy_kwargs)
         self.accuracy = DecisionQuality()
         limits = ingress_limits(parsed)
-        warn_if_open(limits.api_key, _serve_http_host())
+        warn_if_open(limits.api_key, serve_http_host())
         if parsed.workers is None:
             self.parts = _cluster_parts(parsed, config, engine_handle, self.router_actors, self.accuracy, tokenizer, limits)
         else:
@@ -139,20 +127,6 @@ async def _workers_parts(parsed: AppArgs, config: ClusterConfig, routers: list[A
     backend = WorkersBackend(pool, routers, config.hash_spec, limits.request_timeout_s, accuracy)
     return IngressParts(backend, WorkerAdapters(backend), backend.stats, extra_metrics=lambda: pool_metrics(pool, name),
                         routes=admin_routes(pool), keepalive=pool.touch.remote)  # fmt: skip
-
-
-async def load_model_info(config: ClusterConfig) -> tuple[Any, int, int, GenerationDefaults]:
-    """The ingress' view of the model: its tokenizer, context length, vocabulary size and
-    sampling defaults (its generation_config.json, unless ``generation_config`` says otherwise)."""
-    from kvroute.replica.checkpoint import load_hf_config, load_tokenizer, resolve_model
-    from kvroute.replica.models.arch import ModelArch
-
-    path = await asyncio.to_thread(resolve_model, config.engine.model, False)  # config and tokenizer: no weights here
-    light = config.engine.emulate is not None
-    tokenizer = await asyncio.to_thread(load_tokenizer, path, light)
-    arch = ModelArch.from_hf_config(load_hf_config(path, light))
-    defaults = GenerationDefaults.load(path, config.engine.generation_config)
-    return tokenizer, config.engine.context_length(arch.max_position_embeddings), arch.vocab_size, defaults
 
 
 def build_app(args: Union[dict[str, Any], AppArgs]) -> serve.Application:

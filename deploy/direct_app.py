@@ -96,13 +96,13 @@ class DirectEngineReplica(EngineReplica):
 
     async def __init__(self, config: ClusterConfig, engine_factory: EngineFactory | None = None,
                        args: dict[str, Any] | None = None) -> None:  # fmt: skip
-        from kvroute.deploy.app import _serve_http_host, load_model_info
+        from kvroute.deploy.ingress_model import load_model_info, serve_http_host
 
         await super().__init__(config, engine_factory)
         parsed = parse_args(args or {})
         tokenizer, max_model_len, vocab_size, defaults = await load_model_info(config)
         limits = ingress_limits(parsed)
-        warn_if_open(limits.api_key, _serve_http_host())
+        warn_if_open(limits.api_key, serve_http_host())
         self.accuracy = DecisionQuality()
         backend = DirectBackend(self, tokenizer, limits.request_timeout_s, self.accuracy)
         adapters = None

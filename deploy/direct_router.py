@@ -130,7 +130,7 @@ class IngressRouter:
     """``POST /internal/route`` for HAProxy; ``GET /health`` for operators."""
 
     async def __init__(self, args: dict[str, Any], config: ClusterConfig, server: Any) -> None:
-        from kvroute.deploy.app import load_model_info
+        from kvroute.deploy.ingress_model import load_model_info
 
         parsed = parse_args(args)
         tokenizer, max_model_len, vocab_size, defaults = await load_model_info(config)

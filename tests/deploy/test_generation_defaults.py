@@ -118,7 +118,7 @@ def test_the_embedded_model_has_no_sampling_defaults(smollm2_path: Path) -> None
 
 def test_the_serve_ingress_reads_them_too(model: Path) -> None:
     from kvroute.cluster.config import ClusterConfig
-    from kvroute.deploy.app import load_model_info
+    from kvroute.deploy.ingress_model import load_model_info
 
     *_, defaults = asyncio.run(load_model_info(ClusterConfig(engine=_config(model))))
     assert defaults.values == {**SAMPLING, "max_tokens": 10}
