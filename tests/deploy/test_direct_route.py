@@ -71,7 +71,7 @@ def test_the_route_header_is_the_requests_decision_and_only_its():
 
 @pytest.fixture(scope="module")
 def serving(smollm2_tokenizer):
-    return OpenAIServing(MODEL, smollm2_tokenizer, 4096, len(smollm2_tokenizer), backend=None,
+    return OpenAIServing(MODEL, smollm2_tokenizer, 16384, len(smollm2_tokenizer), backend=None,
                          served_model_aliases=("alias",))  # fmt: skip
 
 
@@ -128,3 +128,21 @@ def test_adapters_and_unreadable_bodies(serving):
     for raw in (b"", b"{", b"[1]", b'{"neither": 1}', b'{"messages": "hello"}', b'{"prompt": 5}',
                 b'{"messages": [{"role": "user", "content": "hi"}], "surprise": 1}'):  # fmt: skip
         assert asyncio.run(RoutePrompts(serving, None).of(raw)) is None, raw
+
+
+def test_a_prompt_past_the_horizon_is_read_as_far_as_the_horizon(serving):
+    long_text = " ".join(f"entry{i} of the ledger;" for i in range(900))  # ~ 20k characters
+    short = RoutePrompts(serving, None, block_size=16, horizon_chars=4000)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "max_tokens": 2}
+    exact = asyncio.run(serving.prepare_chat(ChatCompletionRequest.model_validate(chat), b"")).prompts[0]
+    head, _, _ = asyncio.run(short.of(json.dumps(chat).encode()))
+    assert 500 < len(head) < len(exact) // 3 and head == exact[: len(head)]
+    completion = {"model": MODEL, "prompt": long_text, "max_tokens": 2}
+    exact = asyncio.run(serving.prepare_completion(CompletionRequest.model_validate(completion), b"")).prompts[0]
+    head, _, _ = asyncio.run(short.of(json.dumps(completion).encode()))
+    assert 500 < len(head) < len(exact) // 3 and head == exact[: len(head)]
+    # keeping the prompt's last tokens moves its head: placed by load, not on a wrong prefix
+    assert asyncio.run(short.of(json.dumps({**completion, "truncate_prompt_tokens": 100}).encode()))[0] == []
+    # under the horizon nothing changes
+    assert asyncio.run(RoutePrompts(serving, None).of(json.dumps(chat).encode()))[0] == asyncio.run(
+        serving.prepare_chat(ChatCompletionRequest.model_validate(chat), b"")).prompts[0]
