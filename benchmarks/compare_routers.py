@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from kvroute.benchmarks import cpu_account, options, serving
+from kvroute.benchmarks import cpu_account, options, real_speed, serving
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.external_fleet import ExternalFleet
 from kvroute.benchmarks.fleet_probes import per_replica
@@ -54,6 +54,7 @@ from kvroute.benchmarks.fleets import (
     EXTERNAL_ROUTERS, ONE_ROUTER, SERVE_ROUTERS, SERVED_NAME, Fleet, FleetConfig, ServeFleet, external_available,
     fleet_from_args,
 )
+from kvroute.benchmarks.real_speed import RouterOverhead
 from kvroute.benchmarks.router_report import after_event, format_rows, per_ingress, write_outputs
 from kvroute.benchmarks.serving_config import LoadConfig
 
@@ -66,7 +67,8 @@ class CompareConfig:
     engines take ``engine_kwargs`` (emulating the profile ``emulate`` at
     ``load.time_scale``). At ``event_at`` × the arrival span, ``kill_replicas`` replicas
     die, ``fleet.add_replicas`` join and, with ``kill_router``, a router actor dies;
-    ``window_s``: the hit-rate window after that event."""
+    ``window_s``: the hit-rate window after that event. With ``overhead``, the rows and
+    ratios also count each router's real-speed added latency."""
 
     workload: wl.Workload
     load: LoadConfig
@@ -82,6 +84,7 @@ class CompareConfig:
     window_s: float = 60.0
     out_dir: Optional[str] = None
     label: Optional[str] = None
+    overhead: Optional[RouterOverhead] = None  # each router's real-speed added latency (benchmarks/real_speed.py)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -116,6 +119,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="the run's name and its folder under --out-dir's default (default: the workload's)")
     serving.add_workload_args(p)
     serving.add_load_args(p)
+    real_speed.add_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
@@ -124,8 +128,10 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     fleet = fleet_from_args(args, model=args.model, torch_threads=args.torch_threads, max_ongoing_requests=args.max_ongoing_requests,
                             add_replicas=args.add_replicas, ingresses=args.ingresses, num_routers=args.num_routers,
                             deployment_name=args.deployment_name)  # fmt: skip
+    routers = options.csv(args.routers) or [*SERVE_ROUTERS, *(r for r in EXTERNAL_ROUTERS if external_available(r))]
+    overhead = real_speed.from_args(args, routers, options.result_folder("compare_routers", args.out_dir), args.time_scale)
     return CompareConfig(
-        workload=serving.workload_from_args(args), load=serving.load_config_from_args(args), fleet=fleet,
+        workload=serving.workload_from_args(args), load=serving.load_config_from_args(args), fleet=fleet, overhead=overhead,
         request_rates=tuple(float(x) for x in options.csv(args.request_rates)), routers=tuple(options.csv(args.routers)),
         engine_kwargs=parse_engine_kwargs(args.engine_kwargs), emulate=args.emulate, tokenizer=args.tokenizer,
         kill_replicas=args.kill_replicas, event_at=args.event_at, kill_router=args.kill_router, window_s=args.window_s,
@@ -138,8 +144,24 @@ def run(args: argparse.Namespace) -> int:
     t = combined["targets"][-1] if combined["targets"] else {}
     line = ", ".join(f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float) and k != "rate")
     errors = sum(r["failed"] for r in combined["rows"])
-    print(f"compare_routers[{combined['label']}]: {len(combined['rows'])} runs, {errors} errors; {line}  [{combined['out_dir']}]")
+    print(f"compare_routers[{combined['label']}]: {len(combined['rows'])} runs, {errors} errors; {line}{_ttft_note(combined)}  "
+          f"[{combined['out_dir']}]")  # fmt: skip
     return 0 if errors == 0 else 1
+
+
+def _ttft_note(combined: dict[str, Any]) -> str:
+    """With the routers' real-speed added latency: each router's TTFT p50/p90/p99 at the
+    last rate, unscaled as measured and with its added latency (none: nothing)."""
+    if "router_overhead" not in combined:
+        return ""
+    top = combined["rows"][-1]["rate"] if combined["rows"] else None
+    parts = []
+    for r in (r for r in combined["rows"] if r["rate"] == top):
+        plus = r.get("ttft_p90_ms" + real_speed.SUFFIX)
+        tail = (f" -> {r['ttft_median_ms' + real_speed.SUFFIX]:.0f}/{plus:.0f}/{r['ttft_p99_ms' + real_speed.SUFFIX]:.0f} "
+                f"with {r['router_added_system']} +{r['router_added_p50_ms']:.1f}/+{r['router_added_p99_ms']:.1f}") if plus is not None else " (no real-speed figure)"  # fmt: skip
+        parts.append(f"{r['router']} {r['ttft_median_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f}{tail}")
+    return "; TTFT p50/p90/p99 ms (emulated, unscaled) -> + the router's real-speed added latency: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------- kept fleets
@@ -314,6 +336,8 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
     the plots to the output folder and returns the combined result."""
     routers = _routers(cfg)
     engine_kwargs, config = _settings(cfg, routers)
+    if cfg.overhead is not None and not config.time_scale > 1:  # at real speed the TTFTs already hold it
+        raise ValueError(f"--overhead-from / --overhead-measure: for emulated runs at --time-scale > 1, got {config.time_scale:g}")
     decode = serving.decoder(cfg.tokenizer or (cfg.fleet.model if config.prompt_format == "text" else None))
     rates = list(cfg.request_rates) or [config.request_rate]
     label = cfg.label or cfg.workload.name
@@ -352,8 +376,10 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
         "same_replicas_for_every_serve_router": bool(serve_fleet.replica_ids), "replica_ids": serve_fleet.replica_ids,
         "wall_s": time.perf_counter() - t_start, "machine": machine(),
     }  # fmt: skip
-    combined = write_outputs(out_dir, results, meta)
+    combined = write_outputs(out_dir, results, meta, cfg.overhead)
     print(format_rows(combined["rows"]))
+    if cfg.overhead is not None:
+        print(cfg.overhead.note(routers))
     for t in combined["targets"]:
         print("targets:", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}))
     combined["out_dir"] = str(out_dir)

@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvroute.benchmarks import options
+from kvroute.benchmarks import options, real_speed
 from kvroute.benchmarks import workloads as wl
 from kvroute.benchmarks.fleet_matrix import (
     BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, SCENARIOS, arrival_of, is_trace, kv_blocks_of, stamped, trace_kwargs,
 )
 from kvroute.benchmarks.fleets import fleet_from_args
-from kvroute.benchmarks.router_report import markdown_table, window_hit_rate
+from kvroute.benchmarks.router_report import markdown_table, plus_router_cols, window_hit_rate
 from kvroute.benchmarks.serving_config import quiet_load
 
 # (in the order a run takes them: kvroute_1router after the others with one router per ingress, as
@@ -62,7 +62,9 @@ COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("router", "ro
 TARGET_COLS = [("scenario", "scenario", "{}"), ("I", "ingresses", "{}"), ("hit / I=1", "hit_vs_I1", "{:.3f}"),
                ("p90 / I=1", "p90_vs_I1", "{:.2f}"), ("best peer", "best_peer", "{}"), ("p90 / best peer", "p90_vs_best_peer", "{:.2f}"),
                ("tok/s / best peer", "throughput_vs_best_peer", "{:.2f}"), ("sim p90 / I=1", "sim_p90_vs_I1", "{:.2f}"),
-               ("sim p90 / best peer", "sim_p90_vs_best_peer", "{:.2f}")]  # fmt: skip
+               ("sim p90 / best peer", "sim_p90_vs_best_peer", "{:.2f}"),
+               ("p90 / I=1 +added", "p90_vs_I1_plus_router", "{:.2f}"), ("best peer +added", "best_peer_plus_router", "{}"),
+               ("p90 / best peer +added", "p90_vs_best_peer_plus_router", "{:.2f}")]  # fmt: skip
 # the processes of the ingress layer, by cpu_account kind
 INGRESS_KINDS = ("OpenAIIngress", "ProxyActor", "sglang::router", "vllm::router")  # (the peers retitle their processes)
 
@@ -125,7 +127,7 @@ def simulate(cell: Cell, ingresses: int, router: str, args: argparse.Namespace) 
 
 
 def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.Namespace, root: Path,
-            kill_router: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+            kill_router: bool = False, overhead: Optional[real_speed.RouterOverhead] = None) -> list[dict[str, Any]]:  # fmt: skip
     """One compare_routers run at I = ``ingresses`` (in ``root``): a row per router, with its run's JSON."""
     from kvroute.benchmarks import compare_routers
     from kvroute.replica.profiles import get_profile
@@ -138,6 +140,7 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
                                                 request_rate=cell.rate, arrival=arrival_of(cell.workload)),
         fleet=fleet_from_args(args, ingresses=ingresses), routers=tuple(routers), engine_kwargs=engine_kwargs,
         emulate=args.profile, kill_router=kill_router, window_s=args.window_s, out_dir=str(out), label=out.name,
+        overhead=overhead,
     ))  # fmt: skip
     rows = []
     for row in combined["rows"]:
@@ -156,7 +159,8 @@ def measure(cell: Cell, ingresses: int, routers: Sequence[str], args: argparse.N
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (scenario, I): kvroute (N = I) against kvroute at I = 1 and the best peer at I
-    (by p90), measured and simulated."""
+    (by p90), measured and simulated; where the rows carry the routers' real-speed added
+    latency, the measured p90 ratios again with it (``*_plus_router``)."""
     by = {(r["scenario"], r["ingresses"], r["router"]): r for r in rows}
     out = []
     for (scen, i, router), k in sorted(by.items()):
@@ -165,6 +169,12 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         peers = [by[(scen, i, p)] for p in PEERS if (scen, i, p) in by and by[(scen, i, p)]["completed"]]
         best = min(peers, key=lambda p: p["ttft_p90_ms"]) if peers else None
+        plus = real_speed.versus_best_peer(k, {p["router"]: p for p in peers}, ("ttft_p90_ms",))
+        ours, base_plus = k.get("ttft_p90_ms" + real_speed.SUFFIX), base.get("ttft_p90_ms" + real_speed.SUFFIX)
+        with_added: dict[str, Any] = {"p90_vs_I1_plus_router": ours / max(base_plus, 1e-9)} if ours and base_plus else {}
+        if plus:
+            with_added.update(best_peer_plus_router=plus["best"], p90_vs_best_peer_plus_router=plus["ratios"]["ttft_p90_ms"],
+                              counted_without_added=plus["counted_without_added"])  # fmt: skip
         out.append({
             "scenario": scen, "ingresses": i,
             "hit_vs_I1": k["hit_rate"] / max(base["hit_rate"], 1e-12), "p90_vs_I1": k["ttft_p90_ms"] / max(base["ttft_p90_ms"], 1e-9),
@@ -172,7 +182,7 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "best_peer": best and best["router"],
             "p90_vs_best_peer": best and k["ttft_p90_ms"] / max(best["ttft_p90_ms"], 1e-9),
             "throughput_vs_best_peer": best and k["out_tok_s"] / max(best["out_tok_s"], 1e-9),
-            "sim_p90_vs_best_peer": best and k["sim_ttft_p90_ms"] / max(best["sim_ttft_p90_ms"], 1e-9),
+            "sim_p90_vs_best_peer": best and k["sim_ttft_p90_ms"] / max(best["sim_ttft_p90_ms"], 1e-9), **with_added,
         })  # fmt: skip
     return out
 
@@ -192,15 +202,17 @@ def kill_report(killed: dict[str, Any], undisturbed: Optional[dict[str, Any]]) -
     return report
 
 
-def write(out: Path, rows: list[dict[str, Any]], kill: Optional[dict[str, Any]], args: argparse.Namespace, t0: float) -> list[dict[str, Any]]:
+def write(out: Path, rows: list[dict[str, Any]], kill: Optional[dict[str, Any]], args: argparse.Namespace, t0: float,
+          overhead: Optional[real_speed.RouterOverhead] = None) -> list[dict[str, Any]]:  # fmt: skip
     from kvroute.benchmarks.common import machine
 
     tg = targets(rows)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "ingress_matrix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args), "rows": rows,
-              "targets": tg, "kill": kill, "machine": machine(), "wall_s": time.perf_counter() - t0}  # fmt: skip
+              "targets": tg, "kill": kill, "machine": machine(), "wall_s": time.perf_counter() - t0,
+              "router_overhead": overhead and overhead.describe()}  # fmt: skip
     (out / "matrix.json").write_text(json.dumps(result, indent=1))
-    text = markdown_table(rows, COLS) + "\n\n" + markdown_table(tg, TARGET_COLS) + "\n"
+    text = markdown_table(rows, COLS + plus_router_cols(rows)) + "\n\n" + markdown_table(tg, TARGET_COLS) + "\n"
     if kill:
         text += "\nkill: " + json.dumps(kill) + "\n"
     (out / "table.md").write_text(text)
@@ -223,6 +235,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-decision-s", type=float, default=0.0005, help="the simulator's time per decision per router (s)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     options.add_output(p, "ingress_matrix", folder=True)
+    real_speed.add_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,22 +244,27 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown scenarios or routers {bad}")
     t0, out = time.perf_counter(), options.result_folder("ingress_matrix", args.out_dir)
+    overhead = real_speed.from_args(args, routers, out, args.time_scale)
     cells = {name: make_cell(name, args) for name in scenarios}
     rows: list[dict[str, Any]] = []
     kill, tg = None, []
     for i in (int(x) for x in args.ingresses.split(",")):
         for cell in cells.values():
             here = [r for r in routers if not (i == 1 and r == "kvroute_1router")]  # the same as kvroute at I = 1
-            rows += [{**r, **simulate(cell, i, r["router"], args)} for r in measure(cell, i, here, args, out)]
+            rows += [{**r, **simulate(cell, i, r["router"], args)} for r in measure(cell, i, here, args, out, overhead=overhead)]
             if args.kill_router == f"{cell.scenario}:{i}":
-                killed = measure(cell, i, ["kvroute"], args, out, kill_router=True)[0]
+                killed = measure(cell, i, ["kvroute"], args, out, kill_router=True, overhead=overhead)[0]
                 same = next((r for r in rows if (r["scenario"], r["ingresses"], r["router"]) == (cell.scenario, i, "kvroute")), None)
                 kill = kill_report(killed, same)
-            tg = write(out, rows, kill, args, t0)
+            tg = write(out, rows, kill, args, t0, overhead)
     ours = sum(r["failed"] for r in rows if r["router"].startswith("kvroute")) + (kill["failed"] if kill else 0)
     worst = max((t["p90_vs_I1"] for t in tg), default=math.nan)
+    plus = ""
+    if overhead is not None:
+        vs_peer = max((t["p90_vs_best_peer_plus_router"] for t in tg if "p90_vs_best_peer_plus_router" in t), default=math.nan)
+        plus = f"; with each router's real-speed added latency: worst kvroute p90 / best peer {vs_peer:.2f} ({overhead.note(routers)})"
     print(f"ingress_matrix: {len(rows)} runs, {sum(r['failed'] for r in rows)} errors ({ours} kvroute's); "
-          f"worst kvroute p90 / I=1 {worst:.2f}  [{out}]")  # fmt: skip
+          f"worst kvroute p90 / I=1 {worst:.2f} (emulated x{args.time_scale:g}, unscaled){plus}  [{out}]")  # fmt: skip
     return 0 if ours == 0 else 1
 
 

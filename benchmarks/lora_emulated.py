@@ -37,6 +37,7 @@ from typing import Any
 
 from kvroute.benchmarks.fleets import external_available, fleet_from_args
 from kvroute.benchmarks.lora_report import compare
+from kvroute.benchmarks.real_speed import SUFFIX
 from kvroute.benchmarks.serving_config import quiet_load
 from kvroute.benchmarks.sim.capacity import estimate_capacity
 from kvroute.benchmarks.sim.simulator import SimConfig
@@ -68,9 +69,15 @@ def write_adapters(folder: Path, num_adapters: int, rank: int) -> dict[str, str]
 
 
 def router_result(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """One router's figures: its table row and its run's per-replica counters."""
+    """One router's figures: its table row and its run's per-replica counters (and, where
+    the row carries it, the router's real-speed added latency and the TTFTs plus it)."""
     loads = sum(c.get("adapter_loads", 0.0) for c in run.get("per_replica", {}).values())
-    return {
+    plus = {}
+    if "ttft_p90_ms" + SUFFIX in row:
+        plus = {k: row[k] for k in ("router_added_system", "router_added_p50_ms", "router_added_p99_ms")}
+        for key, ms in (("ttft_p50_s", "ttft_median_ms"), ("ttft_p90_s", "ttft_p90_ms")):
+            plus[key + SUFFIX] = None if row[ms + SUFFIX] is None else row[ms + SUFFIX] / 1000
+    return {**plus,
         "completed": row["completed"], "errors": row["failed"], "adapter_loads": loads,
         "adapter_loads_per_1k": 1000 * loads / max(row["completed"], 1), "hit_rate": row["hit_rate"],
         "ttft_p50_s": row["ttft_median_ms"] / 1000, "ttft_p90_s": row["ttft_p90_ms"] / 1000,
@@ -81,9 +88,11 @@ def router_result(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
 def measure(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     """``lora_fleet --emulate``: every router on the emulated fleet; compare_routers'
     outputs go to ``out_dir`` (beside the JSON), with the adapters' folders."""
-    from kvroute.benchmarks import compare_routers
+    from kvroute.benchmarks import compare_routers, real_speed
 
     profile = get_profile(args.emulate)
+    routers = tuple(args.routers or default_routers())
+    overhead = real_speed.from_args(args, routers, out_dir, args.time_scale)
     workload = lora_zipf(args.adapters, args.requests, args.system_prompt_len, args.question_len, args.output_len,
                          args.zipf, seed=args.seed)  # fmt: skip
     biggest = max(-(-(r.num_prompt_tokens + r.output_len) // BLOCK_SIZE) for r in workload.requests)
@@ -99,8 +108,8 @@ def measure(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     combined = compare_routers.compare(compare_routers.CompareConfig(
         workload=workload, load=quiet_load(timeout_s=args.timeout_s, seed=args.seed, time_scale=args.time_scale),
         fleet=fleet_from_args(args, model=args.model, max_ongoing_requests=config.max_num_seqs), request_rates=(rate,),
-        routers=tuple(args.routers or default_routers()),
-        engine_kwargs=engine_kwargs, emulate=args.emulate, out_dir=str(out_dir), label="lora-zipf",
+        routers=routers, engine_kwargs=engine_kwargs, emulate=args.emulate, out_dir=str(out_dir), label="lora-zipf",
+        overhead=overhead,
     ))  # fmt: skip
     results = {row["router"]: router_result(row, json.loads((out_dir / f"{row['run']}.json").read_text()))
                for row in combined["rows"]}  # fmt: skip
@@ -109,4 +118,5 @@ def measure(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         "adapter_load_s": profile.adapter_load_time(args.lora_rank), "kv_blocks_per_replica": kv_blocks,
         "config": {k: v for k, v in vars(args).items() if k != "out"}, "rate_rps": rate, "capacity": capacity,
         "results": results, "comparison": compare(results), "compare_routers_dir": str(out_dir),
+        "router_overhead": overhead and overhead.describe(),
     }  # fmt: skip

@@ -32,7 +32,7 @@ import json
 import time
 from typing import Any
 
-from kvroute.benchmarks import lora_emulated, options
+from kvroute.benchmarks import lora_emulated, options, real_speed
 from kvroute.benchmarks import workloads as W
 from kvroute.benchmarks.lora_report import compare, summary_line
 from kvroute.benchmarks.workloads import lora_zipf
@@ -98,12 +98,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--timeout-s", type=float, default=1800.0)
     e.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else start one)")
     options.add_policy_kwargs(e)
+    real_speed.add_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.adapters < 1 or args.max_loras < 1 or args.requests < 1 or not args.load > 0:
         raise ValueError("--replicas, --adapters, --max-loras and --requests must be >= 1 and --load > 0")
     path = options.result_file("lora_fleet", args.out)
+    if not args.emulate and (args.overhead_from or args.overhead_measure):
+        raise ValueError("--overhead-from / --overhead-measure: with --emulate (the measured fleet)")
     out = lora_emulated.measure(args, path.with_suffix("")) if args.emulate else simulate(args)
     path.write_text(json.dumps(out, indent=2))
     print(summary_line(out))

@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from kvroute.benchmarks import serving
+from kvroute.benchmarks.real_speed import SUFFIX, RouterOverhead
 
 
-def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def table_rows(results: dict[str, dict[str, Any]], overhead: Optional[RouterOverhead] = None) -> list[dict[str, Any]]:
+    """One row per run; with ``overhead``, each row also carries its router's real-speed
+    added latency and the TTFTs plus it (``real_speed.RouterOverhead.annotate``)."""
     rows = []
     for key, r in results.items():
         routing = r.get("routing") or {}
@@ -34,7 +37,7 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "available_rate": _share(routing, "available"), "captured_rate": _share(routing, "captured"),
             "cpu_cores": r.get("fleet_cpu_cores"),  # the whole fleet's CPU (benchmarks/cpu_account.py)
         })  # fmt: skip
-    return rows
+    return [overhead.annotate(r) for r in rows] if overhead else rows
 
 
 def _share(routing: dict[str, float], figure: str) -> float | None:
@@ -52,7 +55,17 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             ("tok/s", "out_tok_s", "{:.1f}"), ("TTFT p50", "ttft_median_ms", "{:.0f}"), ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
             ("TTFT p99", "ttft_p99_ms", "{:.0f}"), ("TPOT p50", "tpot_median_ms", "{:.1f}"), ("E2E p50", "e2el_median_ms", "{:.0f}"),
             ("CPU cores", "cpu_cores", "{:.2f}")]
-    return markdown_table(rows, cols)
+    return markdown_table(rows, cols + plus_router_cols(rows))
+
+
+def plus_router_cols(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """Where the rows carry the routers' real-speed added latency: its columns (the
+    added p50 / p99, then TTFT p50 / p90 / p99 plus it); else none."""
+    if not any(("ttft_p90_ms" + SUFFIX) in r for r in rows):
+        return []
+    return [("added p50 (real)", "router_added_p50_ms", "{:.1f}"), ("added p99 (real)", "router_added_p99_ms", "{:.1f}"),
+            ("TTFT p50 +added", "ttft_median_ms" + SUFFIX, "{:.0f}"), ("p90 +added", "ttft_p90_ms" + SUFFIX, "{:.0f}"),
+            ("p99 +added", "ttft_p99_ms" + SUFFIX, "{:.0f}")]  # fmt: skip
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
@@ -63,9 +76,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str
     return "\n".join(lines)
 
 
-def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, Any]:
+def target_ratios(results: dict[str, dict[str, Any]], rate: Any, overhead: Optional[RouterOverhead] = None) -> dict[str, Any]:
     """At one rate: kvroute's hit rate vs the best possible, its p90 TTFT vs the best of
-    the others, and its p90 TTFT / throughput vs power of two."""
+    the others, and its p90 TTFT / throughput vs power of two; with ``overhead``, the
+    p90 ratios again (``*_plus_router``) with each router's real-speed added p99 on its
+    p90 (a router without a figure: 0 ms, named in ``counted_without_added``)."""
     at = {r["router"]: r for r in results.values() if r["request_rate"] == rate}
     k = at.get("kvroute")
     if k is None:
@@ -82,19 +97,40 @@ def target_ratios(results: dict[str, dict[str, Any]], rate: Any) -> dict[str, An
     if p2 is not None and p2["completed"]:
         out["kvroute_p90_ttft_over_power_of_two"] = k["p90_ttft_ms"] / max(p2["p90_ttft_ms"], 1e-9)
         out["kvroute_throughput_over_power_of_two"] = k["request_throughput"] / max(p2["request_throughput"], 1e-9)
+    if overhead is not None:
+        out.update(_plus_router_ratios(k, others, p2, overhead))
     out["errors"] = sum(r["failed"] for r in at.values())
     return out
 
 
-def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+def _plus_router_ratios(k: dict[str, Any], others: dict[str, dict[str, Any]], p2: Optional[dict[str, Any]],
+                        overhead: RouterOverhead) -> dict[str, Any]:  # fmt: skip
+    """kvroute's p90 ratios with every router's added latency counted."""
+    out: dict[str, Any] = {}
+    ours = overhead.plus("kvroute", k["p90_ttft_ms"], "p99")
+    if ours is None:
+        return {"plus_router_note": "no data_path figure for kvroute"}
+    p90 = {n: overhead.counted(n, r["p90_ttft_ms"], "p99") for n, r in others.items()}
+    if p90:
+        best = min(p90, key=lambda n: p90[n])
+        out["best_other_router_plus_router"] = best
+        out["kvroute_p90_ttft_over_best_other_plus_router"] = ours / max(p90[best], 1e-9)
+    if p2 is not None and p2["completed"]:
+        out["kvroute_p90_ttft_over_power_of_two_plus_router"] = ours / max(p90["power_of_two"], 1e-9)
+    out["counted_without_added"] = sorted(n for n in others if overhead.for_router(n) is None)
+    return out
+
+
+def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[str, Any],
+                  overhead: Optional[RouterOverhead] = None) -> dict[str, Any]:  # fmt: skip
     from kvroute.benchmarks import serving_plots as plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for key, r in results.items():
         serving.write_json(r, out_dir / f"{key}.json")
-    rows = table_rows(results)
+    rows = table_rows(results, overhead)
     rates = sorted({r["request_rate"] for r in results.values()}, key=lambda x: math.inf if x == "inf" else float(x))
-    targets = [target_ratios(results, rate) for rate in rates]
+    targets = [target_ratios(results, rate, overhead) for rate in rates]
     table = format_rows(rows)
     (out_dir / "table.md").write_text(table + "\n")
     top = rates[-1]
@@ -105,6 +141,8 @@ def write_outputs(out_dir: Path, results: dict[str, dict[str, Any]], meta: dict[
         by_router.setdefault(r["router"], []).append(r)
     plots.ttft_vs_rate(by_router, out_dir / "ttft_vs_rate.png")
     combined = {"benchmark": "compare_routers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "rows": rows, "targets": targets}
+    if overhead is not None:
+        combined["router_overhead"] = overhead.describe()
     (out_dir / "combined.json").write_text(json.dumps(combined, indent=1))
     return combined
 
