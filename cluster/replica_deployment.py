@@ -182,11 +182,12 @@ class EngineReplica:
         ran. ``route``: the router's decision, added to the call by the caller's kvroute
         request router (None under Serve's own routers); its ticket goes to the engine,
         whose load reports name the highest ticket they count. A decision naming a
-        ``pull_from`` has this replica pull the prefix from there first (``route_pull.py``;
-        on any failure the request recomputes it)."""
+        ``pull_from`` has this replica pull the prefix from there first, and a request
+        whose prefix a pull here is bringing waits for it (``route_pull.py``; on any
+        failure the request recomputes it)."""
         if request.lora_name is not None and self.adapters is not None:
             await self.adapters.ensure(request.lora_name)  # loaded on first use here
-        pulled = (await self.puller.pull(request, route)).tokens if self.puller.wanted(request, route) else 0
+        pulled = await self.puller.before_generate(request, route)
         outcome: RouteOutcome | None = RouteOutcome(self.replica_id, route, pulled_tokens=pulled)
         async for delta in self.engine.generate(
             request.token_ids,

@@ -12,10 +12,16 @@ unregistered) and no leaked blocks on either side; anything else that goes wrong
 is counted as ``error``. A request the decision placed elsewhere (Serve passed it on to
 the next ranked replica), a resumed one, and a pull of nothing are skipped. The pull is
 bounded by ``PULL_TIMEOUT_S``: past it, recomputing is cheaper than waiting.
+
+A request that arrives while a pull of its prefix is in flight here waits for that pull
+before it queues (``before_generate``): the router counts the pulling replica as holding
+the prefix from its decision on (a pending run), so the requests that follow a pull go
+there, and queued at once they would each recompute what the pull is bringing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +45,20 @@ class RoutePuller:
         self._handle_factory = handle
         self._handle: Any = None
         self.timeout_s = timeout_s
+        self._inflight: list[tuple[list[int], asyncio.Future]] = []  # pulls running here: (tokens, done)
         engine.report_pulls()  # routers may now ask this replica to pull
+
+    async def before_generate(self, request: GenerateRequest, route: RouteDecision | None) -> int:
+        """What a replica does before queueing ``request``: the pull ``route`` asks for,
+        or else a wait for a pull of its prefix already in flight here. Returns the
+        prompt tokens this request's own pull brought (0: none, or it fell back)."""
+        if self.wanted(request, route):
+            return (await self.pull(request, route)).tokens  # type: ignore[arg-type]
+        ids = request.token_ids
+        waits = [done for tokens, done in self._inflight if len(tokens) <= len(ids) and ids[: len(tokens)] == tokens]
+        if waits and not request.resume_output:
+            await asyncio.wait(waits, timeout=self.timeout_s)
+        return 0
 
     def wanted(self, request: GenerateRequest, route: RouteDecision | None) -> bool:
         """Whether ``route`` asks this replica to pull ``request``'s prefix first."""
@@ -53,6 +72,8 @@ class RoutePuller:
         source = ReplicaCall(str(route.pull_from))
         tokens = list(request.token_ids[: route.pull_tokens])
         salt, lora = request.cache_salt, request.lora_name
+        entry = (tokens, asyncio.get_running_loop().create_future())
+        self._inflight.append(entry)
         try:
             if self._handle is None:
                 self._handle = self._handle_factory()
@@ -63,3 +84,6 @@ class RoutePuller:
             self.engine.engine.kv_transfer.metrics.on_fallback("error")
             log.warning("replica %s: pull from %s failed (%r); recomputing", self.replica_id, route.pull_from, exc)
             return PullResult(0, 0, 0, 0.0, "error", repr(exc))
+        finally:
+            self._inflight.remove(entry)
+            entry[1].set_result(None)

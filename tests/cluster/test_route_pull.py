@@ -148,6 +148,23 @@ def test_a_source_that_is_no_replica_falls_back(app):
     _idle(handle, dst)
 
 
+def test_a_request_that_follows_a_pull_waits_for_it_and_hits(app):
+    """The router counts the puller as holding the prefix from its decision on, so the
+    next request of that prefix goes there while the pull (3 s here) is still running:
+    it waits for the pull and hits instead of recomputing beside it."""
+    config, handle, (src, dst) = app
+    prompt = _prompt(SLOW, 5)
+    reference = _source_and_reference(config, handle, src, dst, prompt)
+    follower = threading.Timer(1.0, lambda: results.append(_run(config, handle, prompt, RouteDecision(dst, 392, "prefix"))))
+    results: list = []
+    follower.start()
+    first = _run(config, handle, prompt, _pull_route(dst, src))
+    follower.join()
+    assert first == (reference, 392, 400)
+    assert results == [(reference, 392, 0)]  # it waited: the pull's blocks, not its own prefill
+    _idle(handle, src, dst)
+
+
 def test_a_source_killed_mid_pull_falls_back(app):
     config, handle, (src, dst) = app
     prompt = _prompt(SLOW, 4)

@@ -69,6 +69,7 @@ def test_the_application_view_sums_every_ingress_and_labels_nodes():
              for s in fams["kvroute:process_resident_memory_bytes"].samples}  # fmt: skip
     assert procs == {("router", "0"): "10.0.0.2", ("http", "i1"): "10.0.0.2", ("http", "i2"): "10.0.0.3"}
 
+
 def test_a_pulled_prefix_is_reuse_delivered_and_counted_apart():
     """A request whose replica pulled its prefix from another delivers it from cache
     (nothing lost to routing); a pull that fell back shows as stale."""
