@@ -16,22 +16,24 @@ from kvroute.benchmarks.cli import main as bench  # noqa: E402
 from kvroute.benchmarks import fleet_matrix  # noqa: E402
 from kvroute.benchmarks.fleets import external_available  # noqa: E402
 
+from .conftest import HAND_ADDED  # noqa: E402
 
-def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], len_scale: str) -> int:
+
+def _run_matrix(ray_cluster: str, out, scenario: str, routers: list[str], len_scale: str, *extra: str) -> int:
     """One load (0.5) of one scenario on 4 emulated replicas at scale 0.05 and time scale
     4: the same engines in every test, so the module's kept fleet serves them all."""
     return bench([
         "fleet_matrix", "--replicas", "4", "--time-scale", "4", "--scenarios", scenario, "--loads", "0.5",
         "--routers", ",".join(routers), "--scale", "0.05", "--len-scale", len_scale,
         "--http-port", ray_cluster.rsplit(":", 1)[1], "--app-name", "fleetmatrix", "--out-dir", str(out),
-        "--timeout-s", "120",
+        "--timeout-s", "120", *extra,
     ])  # fmt: skip
 
 
-def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, kept_fleet, tmp_path, capsys):
+def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, kept_fleet, tmp_path, capsys, hand_data_path):
     routers = ["kvroute", "power_of_two"] + [r for r in ["sglang_router"] if external_available(r)]
     out = tmp_path / "matrix"
-    assert _run_matrix(ray_cluster, out, "gsp", routers, "0.1") == 0
+    assert _run_matrix(ray_cluster, out, "gsp", routers, "0.1", "--overhead-from", str(hand_data_path)) == 0
     printed = capsys.readouterr().out
     assert f"fleet_matrix: 1 scenarios x {len(routers)} routers, {len(routers)} runs, 0 errors (0 kvroute's)" in printed
     matrix = json.loads((out / "matrix.json").read_text())
@@ -62,6 +64,19 @@ def test_a_small_matrix_runs_every_router_on_emulated_replicas(ray_cluster, kept
     t = matrix["targets"][0]
     assert t["scenario"] == "gsp" and t["errors"] == 0 and t["p90_over_best_peer"] > 0
     assert (out / "table.md").read_text().startswith("| scenario |")
+    # the routers' real-speed added latency (the hand-made data_path JSON) beside the unscaled TTFTs
+    assert "with each router's real-speed added latency" in printed
+    rows = {r["router"]: r for r in matrix["rows"]}
+    for name, (p50, p99) in HAND_ADDED.items():
+        if name in rows:
+            r = rows[name]
+            assert (r["router_added_p50_ms"], r["router_added_p99_ms"]) == (p50, p99)
+            assert r["ttft_median_ms_plus_router"] == pytest.approx(r["ttft_median_ms"] + p50)
+            assert r["ttft_p90_ms_plus_router"] == pytest.approx(r["ttft_p90_ms"] + p99)
+            assert r["ttft_p99_ms_plus_router"] == pytest.approx(r["ttft_p99_ms"] + p99)
+    assert rows["power_of_two"]["ttft_p90_ms_plus_router"] is None and "power_of_two" in t["counted_without_added"]
+    peers = {n: r["ttft_p90_ms_plus_router"] or r["ttft_p90_ms"] for n, r in rows.items() if n != "kvroute"}
+    assert t["p90_over_best_peer_plus_router"] == pytest.approx(rows["kvroute"]["ttft_p90_ms_plus_router"] / min(peers.values()))
 
 
 def _event_scenario_runs(ray_cluster, tmp_path, capsys, scenario):

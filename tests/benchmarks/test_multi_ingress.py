@@ -30,12 +30,22 @@ def _argv(ray_cluster: str, out, routers: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_clients_spread_over_two_ingresses_with_one_or_two_routers(ray_cluster, kept_fleet, tmp_path, capsys):
+def test_clients_spread_over_two_ingresses_with_one_or_two_routers(ray_cluster, kept_fleet, tmp_path, capsys, hand_data_path):
     out = tmp_path / "multi"
     # one router first: the fleet ends with a router per ingress, as the next test starts it
-    assert bench(["compare_routers", *_argv(ray_cluster, out, "kvroute_1router,kvroute")]) == 0
-    assert "2 runs, 0 errors" in capsys.readouterr().out
+    argv = _argv(ray_cluster, out, "kvroute_1router,kvroute", "--overhead-from", str(hand_data_path))
+    assert bench(["compare_routers", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "2 runs, 0 errors" in printed
     combined = json.loads((out / "combined.json").read_text())
+    # both stand for kvroute serve's default path: its real-speed added latency (hand-made, 10 / 20 ms) on each TTFT
+    assert combined["router_overhead"]["added_ms"]["kvroute_direct"] == {"p50": 10.0, "p99": 20.0}
+    for row in combined["rows"]:
+        assert row["router_added_system"] == "kvroute_direct"
+        assert row["ttft_median_ms_plus_router"] == pytest.approx(row["ttft_median_ms"] + 10.0)
+        assert row["ttft_p90_ms_plus_router"] == pytest.approx(row["ttft_p90_ms"] + 20.0)
+        assert f"{row['router']} {row['ttft_median_ms']:.0f}/" in printed
+    assert "with kvroute_direct +10.0/+20.0" in printed and "p90 +added" in (out / "table.md").read_text()
     n = GROUPS * PER_GROUP
     runs = {r["router"]: json.loads((out / f"{r['run']}.json").read_text()) for r in combined["rows"]}
     assert sorted(runs) == ["kvroute", "kvroute_1router"]
