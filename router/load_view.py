@@ -83,6 +83,7 @@ class LoadView:
         self.max_loras: list[int] = []  # its adapter slots (0: no adapters)
         self.max_requests = 0  # the serving layer's cap on a replica's requests, as the latest report says (0: none)
         self._unmeasured: set[int] = set()  # slots without a prefill rate or decode step time
+        self._pullers: set[int] = set()  # slots whose replica reports a pull's cost (kv_bytes_per_token)
         # per slot: (ticket, uncached tokens, deadline, adapter) of each request routed
         # there that no report counts yet, oldest first (tickets and deadlines both increase)
         self._transit: list[deque[tuple[int, int, float, str | None]]] = []
@@ -114,6 +115,7 @@ class LoadView:
         if s is not None:
             self._free.append(s)
             self._unmeasured.discard(s)
+            self._pullers.discard(s)
             self._cached[s] = None
 
     # ------------------------------------------------------------------ updates
@@ -159,6 +161,10 @@ class LoadView:
 
     def _set(self, s: int, f: LoadFigures) -> None:
         self._figures[s] = f
+        if f.kv_bytes_per_token:
+            self._pullers.add(s)
+        else:
+            self._pullers.discard(s)
         self.queued[s] = f.queued_prefill_tokens
         self.rate[s] = f.prefill_tokens_per_s
         self.running[s] = f.num_running
@@ -270,6 +276,11 @@ class LoadView:
             pull_setup_s=f.pull_setup_s,
         )
         return cached
+
+    @property
+    def any_pulls(self) -> bool:
+        """Whether some replica reports what a pull into it costs (else nobody pulls)."""
+        return bool(self._pullers)
 
     def pulls(self, getter: Callable[[list], Sequence] | None) -> tuple[list[int], list[float], list[float]]:
         """For the candidates ``getter`` selects: each one's ``kv_bytes_per_token``,

@@ -255,12 +255,21 @@ class Router:
             cs.ids, depths, *self.loads.columns(cs.loads), lambda positions: rooms(selection, positions)
         )
         table.release = lambda: self.loads.releases(cs.loads)
-        table.pull = lambda: (*self.loads.pulls(cs.loads), self.directory.confirmed_depths(block_hashes, selection))
+        if self.loads.any_pulls:
+            table.pull = lambda: self._pull_figures(block_hashes, cs)
         table.max_requests = self.loads.max_requests
         table.host_depth = self.directory.host_depths(block_hashes, selection, depths)
         if table.host_depth is not None:
             table.host_rate = [self.loads.figures(rid).host_restore_tokens_per_s for rid in cs.ids]
         return table
+
+    def _pull_figures(self, block_hashes: Sequence[BlockHash], cs: "_CandidateSet") -> tuple[list, list, list, list]:
+        """``CandidateTable.pull()``: the candidates' reported pull figures and confirmed
+        depths (not looked up where no candidate can pull: every depth 0 then)."""
+        sizes, rates, setups = self.loads.pulls(cs.loads)
+        if not any(sizes):
+            return sizes, rates, setups, [0] * len(sizes)
+        return sizes, rates, setups, self.directory.confirmed_depths(block_hashes, cs.directory)
 
     def _candidate_set(self, candidates: Sequence[str] | None) -> "_CandidateSet":
         """``candidates`` resolved against the directory and the load view, kept by

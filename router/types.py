@@ -178,7 +178,8 @@ class CandidateTable:
     ``pull()`` gives, when asked (a request whose prefix some candidate holds), each
     candidate's ``kv_bytes_per_token``, ``pull_bytes_per_s`` and ``pull_setup_s`` as
     reported (``LoadFigures``) and its confirmed depth (``depth`` without pending runs:
-    what it can hand over now); None: the view cannot tell, and nobody pulls.
+    what it can hand over now); None where no replica reports pulls (or the view cannot
+    tell), and nobody pulls.
     """
 
     __slots__ = (
@@ -280,6 +281,7 @@ class CandidateTable:
             room,
         )
         table.release = lambda: ([ld.release_s for ld in loads], [ld.release_blocks for ld in loads])
-        table.pull = lambda: ([ld.kv_bytes_per_token for ld in loads], [ld.pull_bytes_per_s for ld in loads],
-                              [ld.pull_setup_s for ld in loads], depth)  # fmt: skip
+        if any(ld.kv_bytes_per_token for ld in loads):
+            table.pull = lambda: ([ld.kv_bytes_per_token for ld in loads], [ld.pull_bytes_per_s for ld in loads],
+                                  [ld.pull_setup_s for ld in loads], depth)  # fmt: skip
         return table

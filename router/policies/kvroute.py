@@ -256,18 +256,18 @@ class KVRoutePolicy(Policy):
         top = est.top
         blocked = table.adapter_blocked if table.adapter_blocked is not None and any(table.adapter_blocked) else None
         cheap = None if slots is None else cheapest(slots)
-        figures = None if self.pulls is None or not est.longest else self.pulls.possible(table)
+        pulls = self.pulls if self.pulls is not None and est.longest and table.pull is not None else None
         if (top >= 0 and self._shortcut and not kv_short and not (over and qlen[top] > blimit)
                 and not (blocked and blocked[top]) and (cheap is None or cheap[top])):  # fmt: skip
-            pull_lb = inf if figures is None else self.pulls.lower_bound(  # type: ignore[union-attr]
-                table, est.waits, n, block_size, est.fleet_rate)
+            pull_lb = inf if pulls is None else pulls.lower_bound(table, est.waits, n, block_size, est.fleet_rate)
             if self._clear_owner(est, n, saturated, pull_lb):
                 return RouteDecision(table.candidates[top], est.held.get(top, est.longest), "prefix")
+        figures = None if pulls is None else pulls.possible(table)
         own = [n] * len(qlen)
         for i, c in est.cached.items():
             own[i] -= c
         ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
-        offers = {} if figures is None else self.pulls.offers(  # type: ignore[union-attr]
+        offers = {} if figures is None else pulls.offers(  # type: ignore[union-attr]
             table, figures, n, block_size, est.waits, est.interference, est.fleet_rate, self.step_tokens, ts)
         for i, offer in offers.items():  # a pull beats recomputing there: its TTFT
             ts[i] = offer.ttft
