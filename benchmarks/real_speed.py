@@ -144,16 +144,23 @@ def load(path: str | Path, mapping: Optional[dict[str, tuple[str, ...]]] = None)
     return RouterOverhead(added, source, {**MAPPING, **(mapping or {})})
 
 
+def systems_for(routers: Iterable[str], mapping: Optional[dict[str, tuple[str, ...]]] = None) -> list[str]:
+    """The data_path systems to measure for ``routers``: each one's first choice (an
+    external router's only where it is installed), once, then ``direct``."""
+    from kvroute.benchmarks.fleets import EXTERNAL_ROUTERS, external_available
+
+    table = {**MAPPING, **(mapping or {})}
+    systems = [table[r][0] for r in routers if r in table and (r not in EXTERNAL_ROUTERS or external_available(r))]
+    return [*dict.fromkeys(systems), "direct"]
+
+
 def measure(routers: Iterable[str], out: Path, seconds: float, mapping: Optional[dict[str, tuple[str, ...]]] = None) -> Path:
     """A short ``kvroute bench data_path`` (``seconds`` per loop, 20 req/s) of the systems
     that stand for ``routers`` (each one's first choice that is installed) and ``direct``;
     its JSON's path. Run it before the fleet starts: it starts its own services."""
     from kvroute.benchmarks import data_path
-    from kvroute.benchmarks.fleets import EXTERNAL_ROUTERS, external_available
 
-    table = {**MAPPING, **(mapping or {})}
-    systems = [table[r][0] for r in routers if r in table and (r not in EXTERNAL_ROUTERS or external_available(r))]
-    systems = list(dict.fromkeys(systems)) + ["direct"]
+    systems = systems_for(routers, mapping)
     p = argparse.ArgumentParser()
     data_path.add_args(p)
     args = p.parse_args(["--systems", ",".join(systems), "--seconds", str(seconds), "--idle-seconds", "1",

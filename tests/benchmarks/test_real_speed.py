@@ -13,6 +13,7 @@ import pytest
 
 from kvroute.benchmarks import ingress_matrix, lora_report, real_speed, router_report
 from kvroute.benchmarks.cli import main as bench
+from kvroute.benchmarks.fleets import external_available
 
 from .conftest import HAND_ADDED, HAND_DATA_PATH
 
@@ -48,6 +49,11 @@ def test_a_json_without_direct_is_refused_and_real_speed_runs_are_refused(tmp_pa
     o = real_speed.from_args(args, ["kvroute"], tmp_path, time_scale=80.0)
     assert o is not None and o.for_router("power_of_two").system == "kvroute_direct"  # the map overrides
     assert real_speed.from_args(p.parse_args([]), ["kvroute"], tmp_path, time_scale=80.0) is None
+    # --overhead-measure's data_path run: one system per router that has one, then the baseline
+    installed = [r for r in ("sglang_router", "vllm_router") if external_available(r)]
+    routers = ["kvroute", "kvroute_1router", "power_of_two", "prefix_affinity_ray", "sglang_router", "vllm_router"]
+    assert real_speed.systems_for(routers) == ["kvroute_direct", *installed, "direct"]
+    assert real_speed.systems_for(["kvroute"], {"kvroute": ("kvroute_haproxy",)}) == ["kvroute_haproxy", "direct"]
 
 
 def _result(router: str, p90: float, completed: int = 8) -> dict:
