@@ -20,7 +20,9 @@ Each kind of fleet is a ``Fleet`` (``ServeFleet``, ``ExternalFleet``): ``start(r
 serves that router from cold caches and gives its base URL; one loop runs every router
 at every rate. With ``--emulate PROFILE [--time-scale K]`` the replicas are emulated
 (``replica/emulated.py``: real scheduler and KV cache, the profile's step times × K)
-and every reported time is in unscaled seconds.
+and every reported time is in unscaled seconds, which leaves out nearly all of the routing
+layer's own wall time: ``--overhead-from DATA_PATH_JSON`` (or ``--overhead-measure``) adds
+each router's real-speed added latency beside them (``benchmarks/real_speed.py``).
 
 Outputs (``--out-dir``, default ``results/compare_routers/<label>``, the label defaulting to the workload's name): one JSON per
 router and rate, ``combined.json`` (table rows + target ratios), ``table.md`` and PNG
@@ -157,10 +159,12 @@ def _ttft_note(combined: dict[str, Any]) -> str:
     top = combined["rows"][-1]["rate"] if combined["rows"] else None
     parts = []
     for r in (r for r in combined["rows"] if r["rate"] == top):
-        plus = r.get("ttft_p90_ms" + real_speed.SUFFIX)
-        tail = (f" -> {r['ttft_median_ms' + real_speed.SUFFIX]:.0f}/{plus:.0f}/{r['ttft_p99_ms' + real_speed.SUFFIX]:.0f} "
-                f"with {r['router_added_system']} +{r['router_added_p50_ms']:.1f}/+{r['router_added_p99_ms']:.1f}") if plus is not None else " (no real-speed figure)"  # fmt: skip
-        parts.append(f"{r['router']} {r['ttft_median_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f}{tail}")
+        def ms(suffix: str) -> str:
+            return "/".join("n/a" if r.get(k + suffix) is None else f"{r[k + suffix]:.0f}" for k in ("ttft_median_ms", "ttft_p90_ms", "ttft_p99_ms"))
+
+        tail = (f" -> {ms(real_speed.SUFFIX)} with {r['router_added_system']} +{r['router_added_p50_ms']:.1f}/"
+                f"+{r['router_added_p99_ms']:.1f}") if r.get("router_added_system") else " (no real-speed figure)"  # fmt: skip
+        parts.append(f"{r['router']} {ms('')}{tail}")
     return "; TTFT p50/p90/p99 ms (emulated, unscaled) -> + the router's real-speed added latency: " + "; ".join(parts)
 
 

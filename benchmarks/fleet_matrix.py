@@ -15,7 +15,8 @@ one Serve application (``compare_routers.ServeFleet``), sglang-router and vllm-r
 front of ``kvroute serve-replica --emulate`` processes (``ExternalFleet``). Next to each
 measured run stands the simulator's prediction for the same scenario, rate and fleet
 (the peer routers by their re-implementations in ``router/policies``). Times are
-unscaled seconds.
+unscaled seconds; ``--overhead-from DATA_PATH_JSON`` (or ``--overhead-measure``) adds each
+router's real-speed added latency beside them and in the ratios (``benchmarks/real_speed.py``).
 
 Scenarios: ``gsp`` (SGLang's generated-shared-prefix defaults), ``b2b`` (llm-d's B2B with
 the prefixes filling ~73% of the fleet's KV), ``b2b-over`` (the prefixes at ~150% of it),

@@ -21,7 +21,9 @@ dies at mid-run, set against the same cell undisturbed: its errors and the hit r
 the requests that started in the ``--window-s`` after the kill. Cells run in the order
 of ``--ingresses`` and the table is rewritten after each, so a cut-short run keeps what
 it measured. The simulator cells come from ``router_scale`` (``kvroute`` is its
-``kvroute/N=I``, ``kvroute_1router`` its ``kvroute/1``). Times are unscaled seconds.
+``kvroute/N=I``, ``kvroute_1router`` its ``kvroute/1``). Times are unscaled seconds;
+``--overhead-from DATA_PATH_JSON`` (or ``--overhead-measure``) adds each router's
+real-speed added latency beside them and in the ratios (``benchmarks/real_speed.py``).
 
 Outputs in ``--out-dir``: ``matrix.json`` (rows, kill run, targets), ``table.md``, and per
 cell the compare_routers outputs (``<scenario>-I<I>/``). One summary line.

@@ -24,8 +24,10 @@ Ray Serve LLM's preference for the replicas that have its adapter loaded.
 
 Per router: adapter slot loads per 1,000 completed requests (the replicas' own
 ``kvroute:lora_slot_loads``, from the Serve app's or each serve-replica's ``/metrics``),
-prefix hit rate, TTFT p50/p90, output tokens/s and errors, in unscaled seconds. The
-compare_routers outputs (JSON per run, table, plots) go beside the JSON.
+prefix hit rate, TTFT p50/p90, output tokens/s and errors, in unscaled seconds (with
+``--overhead-from DATA_PATH_JSON`` or ``--overhead-measure``, also TTFT plus each router's
+real-speed added latency, ``benchmarks/real_speed.py``). The compare_routers outputs (JSON
+per run, table, plots) go beside the JSON.
 """
 
 from __future__ import annotations
