@@ -11,7 +11,8 @@ partial KV (a refused payload is never written, an import cut short is released
 unregistered) and no leaked blocks on either side; anything else that goes wrong here
 is counted as ``error``. A request the decision placed elsewhere (Serve passed it on to
 the next ranked replica), a resumed one, and a pull of nothing are skipped. The pull is
-bounded by ``PULL_TIMEOUT_S``: past it, recomputing is cheaper than waiting.
+bounded by ``PULL_TIMEOUT_S`` (× an emulated engine's ``time_scale``, which stretches its
+steps and its transfers alike): past it, recomputing is cheaper than waiting.
 
 A request that arrives while a pull of its prefix is in flight here waits for that pull
 before it queues (``before_generate``): the router counts the pulling replica as holding
@@ -44,7 +45,8 @@ class RoutePuller:
         self.engine = engine
         self._handle_factory = handle
         self._handle: Any = None
-        self.timeout_s = timeout_s
+        config = engine.engine.config
+        self.timeout_s = timeout_s * (config.time_scale if config.emulate is not None else 1.0)
         self._inflight: list[tuple[list[int], asyncio.Future]] = []  # pulls running here: (tokens, done)
         engine.report_pulls()  # routers may now ask this replica to pull
 
