@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kvroute.benchmarks import ingress_matrix, lora_report, real_speed, router_report
+from kvroute.benchmarks import ingress_matrix, lora_emulated, lora_report, real_speed, router_report
 from kvroute.benchmarks.cli import main as bench
 from kvroute.benchmarks.fleets import external_available
 
@@ -119,6 +119,10 @@ def test_ingress_and_lora_ratios_with_the_added_latency(hand_data_path):
                 "adapter_loads_per_1k": 5.0, "hit_rate": 0.5, "output_tokens_per_s": 100.0}  # fmt: skip
 
     results = {"kvroute": lora(0.030, 0.050), "vllm_router": lora(0.040, None), "power_of_two": lora(0.045, None)}
+    # a measured router's result takes its row's figures, in seconds as lora_fleet reports them
+    measured = lora_emulated.router_result({**row("kvroute", 1, 30.0), "failed": 0, "out_tok_s": 100.0}, {"per_replica": {}})
+    assert measured["ttft_p90_s"] == pytest.approx(0.030) and measured["ttft_p90_s_plus_router"] == pytest.approx(0.050)
+    assert measured["ttft_p50_s_plus_router"] == pytest.approx(0.025) and measured["router_added_system"] == "kvroute_direct"
     c = lora_report.compare(results)
     assert c["p90_ratio"] == pytest.approx(0.75) and c["p90_ratio_plus_router"] == pytest.approx(0.050 / 0.040)
     assert c["counted_without_added"] == ["power_of_two", "vllm_router"]
