@@ -276,7 +276,8 @@ class ServeFleet:
         resets = asyncio.run(reset_all())
         assert sorted(r["replica_id"] for r in resets) == self.replica_ids, resets
         policy = router_choice("kvroute" if router == ONE_ROUTER else router)["router_policy"]
-        ray.get([actor.reset.remote(policy, {}) for actor in self.router_actors()])
+        kwargs = self.fleet.policy_kwargs if policy == "kvroute" else {}  # (as deployed: a reset keeps them)
+        ray.get([actor.reset.remote(policy, kwargs) for actor in self.router_actors()])
         after = self.wait_registered(self.size)
         assert after == self.replica_ids, (after, self.replica_ids)
         for rid in self.replica_ids:  # the directory starts empty
