@@ -385,6 +385,13 @@ def test_tools_json_schema_and_prompt_logprobs_through_serve(app):
     assert lp.token_logprobs[1:] == pytest.approx([next(iter(p.values()))["logprob"] for p in plp[1:]], abs=1e-4)
 
 
+# The Messages API with the anthropic client, on this module's app (collected here, after the above).
+from tests.deploy.serve_app_messages import (  # noqa: E402,F401
+    test_messages_through_serve_answer_as_the_chat_path_and_hit_the_cache,
+    test_messages_tool_loop_through_serve,
+)
+
+
 # Hostile and generated input, last: the module's app after all of the above.
 
 
