@@ -10,7 +10,8 @@ Per request, ``ReasoningServing`` (built once per server from ``--reasoning-pars
 - ``plan``: with a parser, how the answer splits; without one, ``include_reasoning``,
   ``separate_reasoning`` and ``stream_reasoning`` take only ``true``, as before.
   A prompt whose last think marker is ``</think>`` (Qwen3 with ``enable_thinking``
-  false) has ended the reasoning: the output is all content, as vLLM reads it.
+  false) has ended the reasoning: the output is all content, as vLLM reads it (under
+  qwen3, the last marker of the turn the output starts: after ChatML's last turn token).
 - ``sampling``: with a structured output (``response_format``, a forced tool call) the
   engine applies the grammar only once the output has written ``</think>``
   (``SamplingParams.structured_output_after``), so the model reasons freely and the
@@ -135,9 +136,12 @@ class ReasoningServing:
         self.template = template
         self.end_ids: tuple[int, ...] = ()
         self.start_ids: tuple[int, ...] = ()
+        self.turn_ids: frozenset[int] = frozenset()
         if self.parser is not None:  # (a server without a parser never looks for the markers)
             self.end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
             self.start_ids = tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+            turns = (tokenizer.encode(m, add_special_tokens=False) for m in self.parser.turn_markers)
+            self.turn_ids = frozenset(ids[0] for ids in turns if len(ids) == 1)  # (single tokens only, as vLLM's)
         special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
         # a marker the detokenizer would skip must be kept in the text the parser reads
         self.keep_special_tokens = self.parser is not None and bool({THINK_START, THINK_END} & special)
@@ -181,10 +185,14 @@ class ReasoningServing:
 
     def prompt_ended(self, ids: Sequence[int]) -> bool:
         """Whether the prompt's last think marker is ``</think>`` (vLLM's test): the
-        template closed the reasoning (an empty think block) before the output starts."""
+        template closed the reasoning (an empty think block) before the output starts.
+        Under qwen3 only the markers after the last ChatML turn token count, so a past
+        turn's reasoning does not end the new one's (as vLLM's qwen3 reads the prompt)."""
         if not self.end_ids:
             return False
         rev = list(ids)[::-1]
+        if self.turn_ids:
+            rev = rev[: next((i for i, t in enumerate(rev) if t in self.turn_ids), len(rev))]
         end = _last(rev, self.end_ids)
         if end < 0:
             return False

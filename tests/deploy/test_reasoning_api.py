@@ -110,7 +110,7 @@ def test_the_split_equals_the_parser_on_the_raw_text_streamed_and_not(clients, t
     client = clients[name]
     allowed = _ids(tok, "<think>", "</think>", " yes", " no")
     split_both, switched = 0, False
-    bias = (6.0, 2.0) if name == "deepseek_r1" else (9.0, 5.0)  # qwen3 reasons only when the first token is <think>
+    bias = (6.0, 2.0)  # (both parsers start inside the reasoning)
     for seed in range(8):
         kw = dict(messages=ASK, max_tokens=10, temperature=1.0, seed=seed,
                   extra_body={"allowed_token_ids": allowed, "logit_bias": {str(allowed[0]): bias[0], str(allowed[1]): bias[1]}})

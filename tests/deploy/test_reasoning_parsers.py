@@ -27,17 +27,29 @@ CASES = [
     "</think>",
     "<think>a</think",
     " <think>leading space</think>c",
+    "a<think>b<think>c</think>d<think>e",
+    "</thi</think>nk>",
+    "r<thi<think>nk>s</think>t",
 ]
 
 
+# vLLM 0.32's qwen3 parser engine on the same texts (its extract_reasoning, run once
+# under .venv-vllm; test_vllm_reasoning.py compares the two on random texts)
 @pytest.mark.parametrize("text,want", [
     ("<think>\nr\n</think>\n\nc", ("\nr\n", "\n\nc")),
     ("<think>cut off", ("cut off", "")),
-    ("plain", (None, "plain")),
-    ("r</think>c", (None, "r</think>c")),  # qwen3: no <think> first, no reasoning
-    (" <think>r</think>c", (None, " <think>r</think>c")),
+    ("plain", ("plain", "")),  # no <think> first: still reasoning (a template may open it)
+    ("r</think>c", ("r", "c")),
+    (" <think>r</think>c", (" r", "c")),
+    ("a<think>b</think>c", ("ab", "c")),  # a <think> within the reasoning is dropped
+    ("<think><think>a", ("a", "")),
+    ("<think>x</think>y</think>z", ("x", "yz")),  # so is a </think> within the content
+    ("x</think>y<think>z", ("x", "y<think>z")),
+    ("</think>c", (None, "c")),  # an empty reasoning is none
+    ("<think></think>", (None, "")),
+    ("", (None, "")),
 ])  # fmt: skip
-def test_qwen3_reasons_only_when_the_output_opens_think(text, want):
+def test_qwen3_reads_as_vllms_parser_engine(text, want):
     assert QWEN3.split(text) == want
 
 
@@ -117,19 +129,24 @@ def test_unknown_parser_names_the_choices():
 
 
 class _Tok:
-    """A tokenizer whose markers are single tokens 7 (<think>) and 8 (</think>)."""
+    """A tokenizer whose markers are single tokens 7 (<think>) and 8 (</think>), and
+    ChatML's turn tokens 1 (<|im_start|>) and 2 (<|im_end|>)."""
 
     all_special_tokens: list[str] = []
 
     def encode(self, text, add_special_tokens=False):
-        return [{"<think>": 7, "</think>": 8}[text]]
+        return [{"<think>": 7, "</think>": 8, "<|im_start|>": 1, "<|im_end|>": 2}[text]]
 
 
-def test_the_prompt_ends_reasoning_when_its_last_marker_closes_it():
-    serving = ReasoningServing("qwen3", _Tok(), None)
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_the_prompt_ends_reasoning_when_its_last_marker_closes_it(name):
+    serving = ReasoningServing(name, _Tok(), None)
     assert serving.prompt_ended([1, 7, 5, 8, 5, 5])  # Qwen3 enable_thinking false: an empty think block
     assert not serving.prompt_ended([1, 7, 5, 8, 2, 7])  # DeepSeek-R1's template opened a new one
     assert not serving.prompt_ended([1, 2, 3])
+    # a past assistant turn's reasoning, then a new turn that opens none: qwen3 reads the
+    # new turn only (after its <|im_start|>), deepseek_r1 the whole prompt, as vLLM's do
+    assert serving.prompt_ended([1, 7, 5, 8, 4, 2, 1, 6, 2, 1, 3]) is (name == "deepseek_r1")
     assert serving.sampling(ReasoningPlan(QWEN3), "a grammar") == {"structured_output_after": (8,)}
     assert serving.sampling(ReasoningPlan(QWEN3, prompt_ended=True), "a grammar") == {}
     assert serving.sampling(ReasoningPlan(QWEN3), None) == {}

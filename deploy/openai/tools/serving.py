@@ -61,8 +61,8 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls appear in the model's output (hermes: Qwen2.5/Qwen3 and chatml_tools)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="split <think>...</think> out of the output into the message's `reasoning` (qwen3: "
-                             "when the output opens <think>; deepseek_r1: the template opened it), and start a "
+                        help="split <think>...</think> out of the output into the message's `reasoning` (the "
+                             "output up to </think>, as vLLM 0.32's parser of that name reads it), and start a "
                              "structured output or forced tool call after </think>")
 
 
