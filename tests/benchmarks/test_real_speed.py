@@ -99,7 +99,7 @@ def test_fleet_matrix_simulated_carries_the_added_latency_and_its_ratios(hand_da
     assert "p90 +added" in (out / "table.md").read_text()
 
 
-def test_ingress_and_lora_ratios_with_the_added_latency(hand_data_path):
+def test_ingress_and_lora_ratios_with_the_added_latency(hand_data_path, tmp_path):
     o = real_speed.load(hand_data_path)
 
     def row(router: str, i: int, p90: float) -> dict:
@@ -113,6 +113,11 @@ def test_ingress_and_lora_ratios_with_the_added_latency(hand_data_path):
     assert t["best_peer"] == "sglang_router" and t["p90_vs_best_peer"] == pytest.approx(30 / 35)
     assert t["best_peer_plus_router"] == "sglang_router" and t["p90_vs_best_peer_plus_router"] == pytest.approx(50 / 35)
     assert t["counted_without_added"] == ["prefix_affinity_ray"]
+    ingress_matrix.write(tmp_path, rows, None, argparse.Namespace(load=0.85), 0.0, o)
+    written = json.loads((tmp_path / "matrix.json").read_text())
+    assert written["router_overhead"]["added_ms"]["sglang_router"] == {"p50": 2.0, "p99": 0.0}
+    assert written["targets"][-1]["p90_vs_best_peer_plus_router"] == pytest.approx(50 / 35)
+    assert "p90 / best peer +added" in (tmp_path / "table.md").read_text()
 
     def lora(p90_s: float, plus_s: float | None) -> dict:
         return {"ttft_p50_s": p90_s / 2, "ttft_p90_s": p90_s, "ttft_p90_s_plus_router": plus_s, "ttft_p50_s_plus_router": plus_s,
