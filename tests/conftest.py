@@ -90,8 +90,7 @@ def _save_tiny(folder: Path, model_type: str, tokenizer: Any, seed: int, **overr
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=TINY_INITIALIZER_RANGE,
         dtype="float32",
-        **TINY_SHAPE,
-        **overrides,
+        **{**TINY_SHAPE, **overrides},  # an override may change the shape (vLLM-CPU needs head_dim >= 32)
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
