@@ -29,6 +29,8 @@ from tests.deploy.server import start_cli, stop_cli  # noqa: E402
 
 STREAMS = 20
 MAX_TOKENS = 96
+KEY = "chaos-key"  # the service runs with an API key: on the direct path each replica checks it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "1024", "--max-model-len", "512"]
 
 
@@ -55,7 +57,7 @@ async def _stream(c: httpx.AsyncClient, i: int, progress: list[int]) -> str | No
 
 async def _stream_text(c: httpx.AsyncClient, i: int, progress: list[int]) -> str:
     body = {
-        "prompt": f"Chaos stream {i}: the archive keeps",
+        "prompt": f"Stream {i} of the chaos run: the archive keeps",  # no shared first block: spread by load
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
@@ -80,7 +82,7 @@ async def _stream_text(c: httpx.AsyncClient, i: int, progress: list[int]) -> str
 
 async def _run_all(url: str, during=None) -> list[str]:
     progress = [0] * STREAMS
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=STREAMS + 4)) as c:
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300, limits=httpx.Limits(max_connections=STREAMS + 4)) as c:
         tasks = [asyncio.ensure_future(_stream(c, i, progress)) for i in range(STREAMS)]
         if during is not None:
             await during(progress, tasks)
@@ -93,7 +95,8 @@ def served(tiny_llama_path):
     A test that stops it (the last one) leaves nothing for the teardown to do."""
     port = free_port()
     proc, lines = start_cli(
-        ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", *ENGINE_ARGS],
+        ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", "--api-key", KEY, "--chat-template", "chatml_tools",
+         *ENGINE_ARGS],
         "kvroute: ready",
     )
     try:
@@ -111,8 +114,10 @@ def test_serve_command_runs_the_cluster(served):
     listeners = {pid for pid in serve_proxy.haproxy_pids(proc.pid) if _listens_on(pid, port)}
     assert listeners, "no HAProxy of this cluster listens on the service's port"
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
 
 
 def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_apis_errors(served):
@@ -121,15 +126,37 @@ def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_
     cached = []
     for turn in range(4):  # each turn lands where the previous ones cached the prefix
         body = {"messages": [{"role": "user", "content": f"{prefix} turn {turn}"}], "max_tokens": 2}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert cached[0] == 0 and min(cached[1:]) >= 60, cached
     # what the router cannot read is placed by load; the replica answers with the API's error
-    r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": "hello", "max_tokens": 2}, timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": "hello", "max_tokens": 2}, headers=AUTH, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_structured_outputs_and_forced_tool_calls_take_the_direct_path(served):
+    """The random tiny model writes what the grammar allows: valid JSON of the schema,
+    and a call of the named function whose arguments (an array among them) parse."""
+    _, _, url = served
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+                                               "ok": {"type": "boolean"}}, "required": ["ids", "ok"],
+              "additionalProperties": False}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "Give JSON"}], "max_tokens": 60, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert set(answer) == {"ids", "ok"} and isinstance(answer["ok"], bool), answer
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": schema}}]
+    body = {"messages": [{"role": "user", "content": "Tag it"}], "max_tokens": 60, "temperature": 0, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "tag"}}}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "tag" and set(json.loads(call["function"]["arguments"])) == {"ids", "ok"}
 
 
 def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
@@ -153,10 +180,14 @@ def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
         os.kill(pids["replica"][0], signal.SIGKILL)
         killed["replica"] = time.monotonic()
         start = list(progress)
-        while sum(p - s for p, s in zip(progress, start)) < STREAMS * 10:  # the streams went on
-            assert time.monotonic() < deadline, progress
+        await asyncio.sleep(1.0)  # the killed replica's streams are cut by then
+        while True:  # every stream still running went on by 10 tokens
+            alive = [i for i, t in enumerate(tasks) if not t.done()]
+            if all(progress[i] - start[i] >= 10 for i in alive):
+                break
+            assert time.monotonic() < deadline, (progress, alive)
             await asyncio.sleep(0.02)
-        assert not all(t.done() for t in tasks), "every stream ended before the router was killed"
+        assert alive, "every stream ended with the killed replica: the router put them all on one"
         os.kill(pids["router"][0], signal.SIGKILL)
         killed["router"] = time.monotonic()
 
@@ -174,7 +205,7 @@ def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
         return len(replicas) == 2 and pids["replica"][0] not in replicas and p.get("router", [None])[0] != pids["router"][0]
 
     wait_until(recovered, 120, "a new replica and a restarted router in /metrics", interval_s=1.0)
-    r = httpx.post(url + "/v1/completions", json={"prompt": "after the storm", "max_tokens": 4}, timeout=60)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "after the storm", "max_tokens": 4}, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
