@@ -165,9 +165,13 @@ def test_a_ranking_reports_the_router_process_cpu_use():
     while time.monotonic() < end:  # this process busy: one core
         svc.rank([BlockHash(11)], 5, ["a"])
     assert svc.rank([BlockHash(11)], 5, ["a"]).router_load > 0.5
+    # other tests' threads may still run in this process: what they use while this one
+    # sleeps is measured beside the figure, which must not exceed it by much
+    cpu0, wall0 = time.process_time(), time.monotonic()
     time.sleep(1.5 * LOAD_SAMPLE_S)
+    background = (time.process_time() - cpu0) / (time.monotonic() - wall0)
     idle = svc.rank([BlockHash(11)], 5, ["a"])
-    assert idle.router_load < 0.3 and svc.stats()["cpu_load"] == pytest.approx(idle.router_load, abs=1e-3)
+    assert idle.router_load < background + 0.3 and svc.stats()["cpu_load"] == pytest.approx(idle.router_load, abs=1e-3)
 
 
 def test_a_router_that_does_not_rank_lets_its_feeds_wait():

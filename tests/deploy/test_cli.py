@@ -315,7 +315,8 @@ def test_serve_proxy_environment_defaults_and_refusals(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # what the caller set wins
     for key in ("RAY_SERVE_ENABLE_HA_PROXY",):
         monkeypatch.delenv(key)
-    assert serve_proxy.apply("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert serve_proxy.apply("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+                                           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "0"}
     with pytest.raises(ValueError, match="proxy must be one of haproxy, python"):
         serve_proxy.apply("nginx")
     with pytest.raises(SystemExit, match="--proxy applies to a cluster this command starts"):
