@@ -313,7 +313,7 @@ def test_serve_proxy_environment_defaults_and_refusals(monkeypatch):
     # HAProxy's side listeners get free ports, so two clusters on one machine can run
     assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) != 8404 and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) != 9101
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # what the caller set wins
-    for key in ("RAY_SERVE_ENABLE_HA_PROXY",):
+    for key in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"):
         monkeypatch.delenv(key)
     assert serve_proxy.apply("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
                                            "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "0"}
