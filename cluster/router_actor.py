@@ -69,7 +69,7 @@ class RouterService:
         self.standby_push_s = standby_push_s
         self._last_rank = float("-inf")
         self.counters = {"registrations": 0, "expired_replicas": 0, "removed_replicas": 0, "unregistered_routes": 0,
-                         "pushes": 0}  # fmt: skip
+                         "pushes": 0, "warmup_plans": 0, "warmup_moves": 0, "handoff_plans": 0, "handoff_moves": 0}  # fmt: skip
         self._metrics: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, its latest report)
         self._ingresses: dict[str, tuple[float, dict[str, Any]]] = {}  # ingress id -> (when, its latest report)
         self._share = share
@@ -163,6 +163,24 @@ class RouterService:
         self.router.remove_replica(replica_id)
         self.counters["removed_replicas"] += 1
         return True
+
+    def warmup_plan(self, replica_id: str, k: int = 8, max_blocks: int = 1024) -> list[tuple[list[BlockHash], str]]:
+        """The hottest prefixes a joining replica should pull before it serves, each with
+        the replica to pull it from (``router/hot_prefixes.py``)."""
+        self.last_call = time.monotonic()
+        plan = self.router.warmup_plan(replica_id, k, max_blocks)
+        self.counters["warmup_plans"] += 1
+        self.counters["warmup_moves"] += len(plan)
+        return plan
+
+    def handoff_plan(self, replica_id: str, k: int = 8) -> list[tuple[list[BlockHash], str]]:
+        """The hottest prefixes a leaving replica holds deeper than every survivor, each
+        with the survivor to hand it to (``router/hot_prefixes.py``)."""
+        self.last_call = time.monotonic()
+        plan = self.router.handoff_plan(replica_id, k) if replica_id in self.router.directory else []
+        self.counters["handoff_plans"] += 1
+        self.counters["handoff_moves"] += len(plan)
+        return plan
 
     def _expire_silent(self) -> None:
         now = self.clock()

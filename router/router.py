@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.kv_events import KVEvents, LoadFigures
 from kvroute.router.directory import BlockDirectory, Selection
+from kvroute.router.hot_prefixes import HotPrefixes, Move, handoff_plan, warmup_plan
 from kvroute.router.load_view import LoadView
 from kvroute.router.policy import Policy
 from kvroute.router.types import CandidateTable, ReplicaId, ReplicaLoad, RouteDecision, RouteRequest
@@ -94,6 +95,7 @@ class Router:
         self._events_unknown = 0
         self._block_updates = 0
         self.load = self.loads.load  # type: ignore[method-assign]  # one call less on the request path
+        self.hot = HotPrefixes()  # every decision's prefix, for a joining or leaving replica's moves
         self._all: tuple[ReplicaId, ...] = ()  # every replica
         self._sets: dict[tuple[ReplicaId, ...], _CandidateSet] = {}  # resolved candidate sets, by value
 
@@ -205,6 +207,7 @@ class Router:
         decision = replace(decision, available_tokens=available, ticket=ticket)
         self.loads.on_routed(chosen, num_tokens - cached, ticket, lora_name)
         policy.on_routed(request, decision)
+        self.hot.observe(block_hashes)
         self._reasons[decision.reason] += 1
         self._routed_to[chosen] += 1
         return decision
@@ -223,8 +226,23 @@ class Router:
         if held < len(block_hashes):
             self.directory.add_pending(replica_id, block_hashes, start=held)
         self.loads.on_routed(replica_id, num_tokens - self._cap(held, num_tokens), ticket, lora_name)
+        self.hot.observe(block_hashes)
         self._peer_decisions += 1
         return True
+
+    # ------------------------------------------------------------------ the fleet's changes
+    def warmup_plan(self, replica_id: str, k: int = 8, max_blocks: int = 1024) -> list[Move]:
+        """The hot prefixes a joining ``replica_id`` should pull first, each with a source
+        (``hot_prefixes.warmup_plan``)."""
+        return warmup_plan(self.hot, self.directory, replica_id, self._queue_len, k, max_blocks)
+
+    def handoff_plan(self, replica_id: str, k: int = 8) -> list[Move]:
+        """The hot prefixes a leaving ``replica_id`` should hand over, each with the
+        survivor to take it (``hot_prefixes.handoff_plan``)."""
+        return handoff_plan(self.hot, self.directory, replica_id, self._queue_len, k)
+
+    def _queue_len(self, replica_id: str) -> int:
+        return self.loads.load(replica_id).queue_len
 
     def _observe_ticket(self, ticket: int) -> None:
         """Tickets are a Lamport clock over the wall clock: a ticket seen from another
