@@ -31,6 +31,7 @@ from kvroute.cluster.worker_probe import check_specs, cluster_nodes
 from kvroute.deploy.app_config import AppArgs, ingress_limits, parse_args
 from kvroute.deploy.app_metrics import IngressReporter, router_metrics
 from kvroute.deploy.ingress_model import load_model_info, serve_http_host
+from kvroute.deploy.ingress_placement import ingress_options
 from kvroute.deploy.backends.cluster import ClusterBackend
 from kvroute.deploy.backends.workers import WorkerAdapters, WorkersBackend, admin_routes, pool_metrics
 from kvroute.deploy.metrics import DecisionQuality
@@ -188,10 +189,10 @@ def _with_api_key(args: Union[dict[str, Any], AppArgs]) -> AppArgs:
 
 
 def _ingress_deployment(parsed: AppArgs, version: Optional[str], options: dict[str, Any]) -> Any:
-    placement = {"max_replicas_per_node": parsed.ingress.max_replicas_per_node} if parsed.ingress.max_replicas_per_node else {}
+    spec = parsed.ingress
+    placement = ingress_options(spec.num_replicas, spec.num_cpus, spec.max_replicas_per_node)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
-        num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
         **placement,

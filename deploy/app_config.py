@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -123,13 +123,15 @@ class IngressSpec(ServerLimits):
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
-    num_replicas: int = Field(default=1, ge=1)
+    num_replicas: Union[Annotated[int, Field(ge=1)], Literal["per_node"]] = Field(
+        default="per_node", description="per_node: one on every node that can host one (its num_cpus), at most "
+        "one per node, counted when the application is built; or a count")  # fmt: skip
     num_cpus: float = Field(default=0.5, gt=0)
     max_ongoing_requests: int = Field(default=1024, ge=1)
     require_api_key: bool = Field(default=False, description="refuse to start without an API key (never open by mistake)")
     max_replicas_per_node: Optional[int] = Field(
-        default=None, ge=1, description="1: at most one ingress per node, so each node's proxy has its own and a "
-        "node's loss cuts only the streams that entered there")  # fmt: skip
+        default=None, ge=1, description="1 (the default under per_node): at most one ingress per node, so each "
+        "node's proxy has its own and a node's loss cuts only the streams that entered there")  # fmt: skip
     chat_template: Optional[str] = Field(default=None, min_length=1)
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False

@@ -7,11 +7,14 @@ import json
 import math
 import os
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvroute.cluster.config import ROUTER_CHOICES
 from kvroute.deploy import serve_proxy
 from kvroute.deploy.serve_proxy import PROXIES
+
+if TYPE_CHECKING:
+    from kvroute.deploy.app_config import AppArgs
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -238,6 +241,12 @@ def data_path(args: argparse.Namespace) -> str:
     return "direct" if fast and args.workers is None else "composed"
 
 
+def _local_ingresses(app_args: AppArgs) -> int:
+    """Ingress replicas on a cluster this command starts: one node, so per_node is one."""
+    count = app_args.ingress.num_replicas
+    return 1 if count == "per_node" else count
+
+
 def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool = True):
     """The application ``kvroute serve`` runs, as ``deploy/serve.yaml``'s ``args``, on a
     machine (``local``) or cluster with ``visible_gpus`` GPUs (``deploy/replica_gpus.py``)."""
@@ -265,7 +274,7 @@ def serve_app_args(args: argparse.Namespace, visible_gpus: int = 0, local: bool 
             }
         ],
         "ingress": {"api_key": limits.api_key, "max_body_bytes": limits.max_body_bytes,
-                    "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas,
+                    "request_timeout_s": limits.request_timeout_s, "num_replicas": args.ingress_replicas or "per_node",
                     **{k: getattr(limits, k) for k in _STORE_BOUNDS}, **_tool_ingress_args(args),
                     "data_path": data_path(args)},
     }  # fmt: skip
@@ -321,7 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
         # even on a small machine (each replica still runs num_cpus torch threads).
         config = app_args.cluster_config()
         need = int(engines * args.num_cpus_per_replica + config.num_routers * config.router_num_cpus
-                   + app_args.ingress.num_replicas * app_args.ingress.num_cpus + 2)
+                   + _local_ingresses(app_args) * app_args.ingress.num_cpus + 2)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
     if app_args.workers is not None:
@@ -391,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router", default="kvroute", choices=ROUTER_CHOICES)
     s.add_argument("--num-routers", type=int, default=1,
                    help="active router actors, each with the whole directory; ingresses fail over between them")
-    s.add_argument("--ingress-replicas", type=int, default=1,
-                   help="HTTP ingress replicas (Serve spreads them over the nodes; each proxy prefers its own node's)")
+    s.add_argument("--ingress-replicas", type=int, default=None,
+                   help="HTTP ingress replicas (default: one on every node, each proxy preferring its own node's)")
     s.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     s.add_argument("--num-gpus-per-replica", type=float, default=None,
                    help="GPUs each replica reserves, fractions allowed (default: 1 where there are GPUs, else 0)")

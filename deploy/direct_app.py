@@ -32,6 +32,7 @@ from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_cre
 from kvroute.deploy.app_config import AppArgs, ingress_limits, parse_args
 from kvroute.deploy.app_metrics import IngressReporter, router_metrics
 from kvroute.deploy.backends.choices import ChoiceBackend
+from kvroute.deploy.ingress_placement import ingress_options
 from kvroute.deploy.direct_route import RouteHeader, current_route
 from kvroute.deploy.direct_router import IngressRouter
 from kvroute.deploy.metrics import DecisionQuality
@@ -140,10 +141,10 @@ def compose_direct_app(parsed: AppArgs, config: ClusterConfig, engine_version: O
                          "Ray starts (kvroute serve does), or use data_path 'composed'")  # fmt: skip
     engine = build_engine_deployment(config, version=engine_version, replica_class=serve.ingress()(DirectEngineReplica),
                                      extra_args=(parsed.model_dump(),))  # fmt: skip
-    placement = {"max_replicas_per_node": parsed.ingress.max_replicas_per_node} if parsed.ingress.max_replicas_per_node else {}
+    spec = parsed.ingress
+    placement = ingress_options(spec.num_replicas, spec.num_cpus, spec.max_replicas_per_node)
     router = serve.deployment(IngressRouter).options(
         name="IngressRouter",
-        num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": parsed.ingress.num_cpus},
         **placement,

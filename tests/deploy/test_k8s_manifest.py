@@ -212,7 +212,7 @@ def test_serve_config_parses_with_kvroutes_own_schema():
 def test_worker_group_bounds_follow_serve_autoscaling():
     """Pods hold whole replicas: per pod, as many as its GPUs and CPUs fit. minReplicas
     pods hold the minimum replicas with no GPU idle, maxReplicas pods the maximum, and the
-    minimum fleet's spare CPUs hold the ingress replicas (the head has none for Ray)."""
+    pod's spare CPUs hold its ingress replica (the head has none for Ray)."""
     args = _serve_args()
     llm = args["llm_configs"][0]["deployment_config"]
     scaling, actor = llm["autoscaling_config"], llm["ray_actor_options"]
@@ -225,8 +225,10 @@ def test_worker_group_bounds_follow_serve_autoscaling():
     assert group["minReplicas"] * per_pod == scaling["min_replicas"]  # no idle GPU at the minimum
     assert group["maxReplicas"] == math.ceil(scaling["max_replicas"] / per_pod)
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    spare = group["minReplicas"] * cpus - scaling["min_replicas"] * actor["num_cpus"]
-    assert spare >= args["ingress"]["num_replicas"] * args["ingress"]["num_cpus"]
+    # one ingress on every worker pod (per_node; the head has no CPUs for Ray): each pod's
+    # spare CPUs beside its engine replicas hold one
+    assert args["ingress"]["num_replicas"] == "per_node"
+    assert cpus - per_pod * actor["num_cpus"] >= args["ingress"]["num_cpus"]
 
 
 # ---------------------------------------------------------------------- the images

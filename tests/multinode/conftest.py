@@ -32,7 +32,7 @@ ingress to the head through the Serve config's per-deployment override
 {kvroute_ingress: 1}}}]``): the head offers ``kvroute_ingress: 100`` and no CPU. The
 alternative, a CPU on the head, would let Serve's SPREAD scheduling put an engine
 replica there. ``serve_config(pin_ingress_to_head=False)`` leaves the product's
-placement (the ingress then lands on a worker, next to an engine replica).
+placement (one ingress on each node with CPUs for it: each worker, next to its engine replica).
 
 Nodes run Ray's default health checks (a killed node is counted dead about 10-15 s
 later); the client side's resume does not wait for that (the streams on a killed
@@ -115,7 +115,7 @@ def serve_config(
     app["args"]["ingress"] = {**app["args"].get("ingress", {}), **(ingress or {})}
     overrides = []  # Serve's per-deployment options, applied over build_app's
     if pin_ingress_to_head:
-        overrides.append({"name": "OpenAIIngress",
+        overrides.append({"name": "OpenAIIngress", "num_replicas": 1,  # (not one per node: only the head has the resource)
                           "ray_actor_options": {"num_cpus": 0, "resources": {INGRESS_RESOURCE: 1}}})  # fmt: skip
     if one_replica_per_node:
         overrides.append({"name": "EngineReplica", "max_replicas_per_node": 1})

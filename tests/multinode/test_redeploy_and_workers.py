@@ -39,7 +39,8 @@ def _workers_app(worker_ip: str) -> dict:
             "workers": [{"url": f"http://{worker_ip}:8101", "kv_events_endpoint": f"tcp://{worker_ip}:5557"}],
             "worker_poll_interval_s": 0.5,
         },
-        "deployments": [{"name": "OpenAIIngress", "ray_actor_options": {"num_cpus": 0, "resources": {"kvroute_ingress": 1}}}],
+        "deployments": [{"name": "OpenAIIngress", "num_replicas": 1,
+                         "ray_actor_options": {"num_cpus": 0, "resources": {"kvroute_ingress": 1}}}],
     }  # fmt: skip
 
 
@@ -97,10 +98,9 @@ def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fl
     head = cluster.head.url()
     before = health(head)
     assert before["status_code"] == 200 and before["routers"] == "1/1"
-    # the ingress spread over the workers as well (test_survival.py's placement, so its
-    # deploy of this config changes nothing and starts no new generation)
-    new = serve_config(engine_kwargs={"max_num_seqs": 6}, pin_ingress_to_head=False,
-                       ingress={"require_api_key": True, "num_replicas": 2, "max_replicas_per_node": 1})  # fmt: skip
+    # the ingress where the product places it, one on each worker (test_survival.py's
+    # placement, so its deploy of this config changes nothing and starts no new generation)
+    new = serve_config(engine_kwargs={"max_num_seqs": 6}, pin_ingress_to_head=False, ingress={"require_api_key": True})
     app = new["applications"][0]
     app["args"]["llm_configs"][0]["num_routers"] = 2
     app["runtime_env"] = {"env_vars": {"KVROUTE_API_KEY": KEY}}
@@ -127,6 +127,8 @@ def test_a_changed_config_redeploys_under_load_and_an_unchanged_one_keeps_the_fl
     assert results == [48] * 4, results
     placement = wait_fleet(cluster, APP, 2, timeout_s=300, deployed_after=deployed_after)
     fleet_s = time.monotonic() - started
+    cluster.wait_for(lambda: sorted(cluster.node_of_ip(r["node_ip"]) for r in cluster.replicas(APP, "OpenAIIngress"))
+                     == ["w1", "w2"], 120, "the default placement: an ingress on each node with CPUs")  # fmt: skip
     # the new generation's second router may wait for the CPU the old router frees when it
     # ends itself (idle_exit_s after the old replicas and ingress are gone)
     after = cluster.wait_for(lambda: (h := health(head))["routers"] == "2/2" and h, 150, "both new routers answering")

@@ -1,9 +1,9 @@
 """What survives a node's loss (ARCHITECTURE.md §5.1), on the three-node cluster
 (``conftest.py``); runs last in the package, since the node stays lost. The
 application's last config (``test_redeploy_and_workers.py``'s, or the package's own),
-with the product's placement for it: an ingress on each worker
-(``ingress.num_replicas: 2, max_replicas_per_node: 1``; each node's Serve proxy prefers
-its own node's ingress) and a router on each (``num_routers: 2``, spread). After
+with the product's placement for it: an ingress on each worker (the default
+``ingress.num_replicas: per_node``; each node's Serve proxy prefers its own node's
+ingress) and a router on each (``num_routers: 2``, spread). After
 ``test_redeploy_and_workers.py`` the config already has that placement, and the deploy
 here changes nothing."""
 
@@ -66,7 +66,7 @@ def _spread(config: dict) -> tuple[dict, str]:
     config = copy.deepcopy(config)
     app = config["applications"][0]
     app["deployments"] = [d for d in app.get("deployments", []) if d["name"] != "OpenAIIngress"]
-    app["args"]["ingress"].update(num_replicas=2, max_replicas_per_node=1)
+    app["args"]["ingress"].pop("num_replicas", None)  # the default: one on each node with CPUs (the workers)
     app["args"]["llm_configs"][0]["num_routers"] = 2
     return config, app.get("runtime_env", {}).get("env_vars", {}).get("KVROUTE_API_KEY", "unused")
 
