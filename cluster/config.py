@@ -60,6 +60,9 @@ class ClusterConfig:
     # config or a ``serve delete`` leaves behind goes away without an operator.
     idle_exit_s: float = 30.0
     call_timeout_s: float = 5.0  # every call between the application's actors (register, push, reports)
+    # Hot prefixes a replica that joins pulls before it serves, and one that leaves on a
+    # scale-down hands to the survivors (cluster/fleet_moves.py); 0: neither.
+    fleet_prefixes: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -101,6 +104,8 @@ class ClusterConfig:
                              f"got {self.push_interval_s}")
         if not isinstance(self.num_routers, int) or self.num_routers < 1:
             raise ValueError(f"num_routers must be an integer >= 1, got {self.num_routers!r}")
+        if self.fleet_prefixes < 0:
+            raise ValueError(f"fleet_prefixes must be >= 0, got {self.fleet_prefixes}")
         if self.max_resume_attempts < 0:
             raise ValueError(f"max_resume_attempts must be >= 0, got {self.max_resume_attempts}")
 

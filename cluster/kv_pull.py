@@ -58,11 +58,14 @@ class PullResult:
 
 
 async def export_payload(
-    engine: AsyncEngine, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None,
-    max_blocks: int | None = None,
+    engine: AsyncEngine, token_ids: Sequence[int] | None, cache_salt: str | None = None, lora_name: str | None = None,
+    max_blocks: int | None = None, block_hashes: Sequence[int] | None = None,
 ) -> KVPayload:
     """A source's answer to a pull: the KV of the longest run of ``token_ids``'s full
-    blocks it caches, as a payload for the object store."""
+    blocks it caches (or of the chain ``block_hashes``: the router's name for a hot
+    prefix, whose salt and adapter then come from the cache), as a payload for the object store."""
+    if block_hashes is not None:
+        return await engine.export_blocks(block_hashes=list(block_hashes), max_blocks=max_blocks)
     return await engine.export_blocks(token_ids, cache_salt=cache_salt, lora_name=lora_name, max_blocks=max_blocks)
 
 

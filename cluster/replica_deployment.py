@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvroute.cluster.config import ClusterConfig
+from kvroute.cluster.fleet_moves import FleetMoves, imported
 from kvroute.cluster.kv_pull import PULL_TIMEOUT_S, PullResult, export_payload, pull_prefix
 from kvroute.cluster.lora import ReplicaAdapters, get_or_create_lora_registry
 from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
@@ -150,8 +151,9 @@ class EngineReplica:
             self.engine = await engine_factory(engine_config)
         if self.engine.hash_spec != config.hash_spec:
             raise ValueError(f"engine hash spec {self.engine.hash_spec} differs from the cluster's {config.hash_spec}")
-        self.puller = RoutePuller(self.replica_id, self.engine,
-                                  lambda: serve.get_deployment_handle(config.deployment_name, config.app_name))  # fmt: skip
+        handle = lambda: serve.get_deployment_handle(config.deployment_name, config.app_name)  # noqa: E731
+        self.puller = RoutePuller(self.replica_id, self.engine, handle)
+        self.fleet = FleetMoves(self.replica_id, self.engine, handle, config.fleet_prefixes, config.call_timeout_s)
         self.closing = False
         self.counters = {"pushes": 0, "registrations": 0, "push_failures": 0}
         self.links = [_RouterLink(self, actor) for actor in get_or_create_router_actors(config)]
@@ -168,6 +170,7 @@ class EngineReplica:
         self._tasks.append(loop.create_task(self._metrics_loop()))
         if self.adapters is not None:
             self._tasks.append(loop.create_task(self._lora_loop()))
+        await self.fleet.warm_up(self.links[0].actor)  # the fleet's hottest prefixes, before any request
 
     def first_router(self) -> _RouterLink | None:
         """The link to the first router this replica is registered with: the one the
@@ -209,7 +212,8 @@ class EngineReplica:
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
         state = await self.engine.debug_state()
         return {"replica_id": self.replica_id, **state, "publisher_seq": self.links[0].publisher.seq,
-                "loras": list(await self.engine.list_loras()), **self.counters}  # fmt: skip
+                "loras": list(await self.engine.list_loras()), **self.counters,
+                "kv_transfer": self.engine.engine.kv_transfer.metrics.report()}  # fmt: skip
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load an adapter here (the ingress has one replica check a new folder before the
@@ -226,13 +230,20 @@ class EngineReplica:
         return {"replica_id": self.replica_id, "reset": await self.engine.reset_prefix_cache()}
 
     async def export_kv(
-        self, call: ReplicaCall, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None,
-        max_blocks: int | None = None,
+        self, call: ReplicaCall, token_ids: list[int] | None, cache_salt: str | None = None,
+        lora_name: str | None = None, max_blocks: int | None = None, block_hashes: list[int] | None = None,
     ) -> "KVPayload":
-        """The KV of the longest run of ``token_ids``'s full blocks this replica caches, as
-        one payload (``cluster/kv_pull.py``; its ``nbytes`` is what crosses the object store)."""
+        """The KV of the longest run of ``token_ids``'s full blocks this replica caches (or
+        of the chain ``block_hashes``, a hot prefix's name in the router's plans), as one
+        payload (``cluster/kv_pull.py``; its ``nbytes`` is what crosses the object store)."""
         assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
-        return await export_payload(self.engine, token_ids, cache_salt, lora_name, max_blocks)
+        return await export_payload(self.engine, token_ids, cache_salt, lora_name, max_blocks, block_hashes)
+
+    async def import_kv(self, call: ReplicaCall, payload: "KVPayload", timeout_s: float = PULL_TIMEOUT_S) -> PullResult:
+        """Cache a payload another replica sends (a leaving replica's hand-off:
+        ``fleet_moves.py``), checked and bounded as a pull's import."""
+        assert call.replica_id == self.replica_id, f"{call} reached {self.replica_id}"
+        return await imported(self.engine, payload, timeout_s)
 
     async def pull_kv(
         self, call: ReplicaCall, source_replica_id: str, token_ids: list[int], cache_salt: str | None = None,
@@ -255,8 +266,10 @@ class EngineReplica:
             raise RuntimeError(f"engine step loop died: {self.engine.failure!r}")
 
     async def __del__(self) -> None:
-        """Graceful shutdown (Serve calls this after draining): leave the directories."""
+        """Graceful shutdown (Serve calls this after draining): hand the hottest prefixes
+        held here to survivors (``fleet_moves.py``), then leave the directories."""
         self.closing = True
+        await self.fleet.hand_off(self.links[0].actor, self.config.app_name, self.config.graceful_shutdown_timeout_s / 2)
         for link in self.links:
             link.changed.set()
         calls = [asyncio.wait_for(link.actor.remove_replica.remote(self.replica_id), timeout=2.0) for link in self.links]

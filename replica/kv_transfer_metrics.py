@@ -3,7 +3,9 @@ imports it refused, and the pulls its host ran (a pull = a source's export fetch
 imported here), with their seconds, bytes and the pulls that fell back to recomputing.
 
 Exports and imports are counted by ``replica/kv_transfer.py``; pulls by whoever moves
-the payload between engines (``cluster/kv_pull.py``). ``report()`` is a JSON-able dict
+the payload between engines (``cluster/kv_pull.py``); the warm-up of a replica that
+joined (the hot prefixes it pulled before serving) and the hand-off of one that left
+(the prefixes it sent to survivors) by ``cluster/fleet_moves.py``. ``report()`` is a JSON-able dict
 that rides in the replica's metrics report (``AsyncEngine.metrics_report``, key
 ``kv_transfer``); ``pull_bytes_per_s`` is what a router can price a pull with.
 """
@@ -26,6 +28,9 @@ class TransferMetrics:
         self.pulls = self.pulled_blocks = self.pulled_tokens = self.pulled_bytes = 0
         self.pull_s = Histogram(PULL_BUCKETS)
         self.fallbacks: dict[str, int] = {}  # why -> pulls that fell back to recomputing
+        self.warmup_prefixes = self.warmup_blocks = self.warmup_tokens = self.warmup_skipped = 0
+        self.warmup_s = 0.0  # from asking the router to the last warm-up pull's end
+        self.handoff_prefixes = self.handoff_blocks = self.handoff_failed = 0
 
     def on_export(self, blocks: int, nbytes: int) -> None:
         self.exports += 1
@@ -49,6 +54,21 @@ class TransferMetrics:
     def on_fallback(self, why: str) -> None:
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
 
+    def on_warmup(self, prefixes: int, blocks: int, tokens: int, skipped: int, seconds: float) -> None:
+        self.warmup_prefixes += prefixes
+        self.warmup_blocks += blocks
+        self.warmup_tokens += tokens
+        self.warmup_skipped += skipped
+        self.warmup_s += seconds
+
+    def on_handoff(self, blocks: int) -> None:
+        """A prefix of ``blocks`` blocks handed to a survivor (0: it took none)."""
+        if blocks:
+            self.handoff_prefixes += 1
+            self.handoff_blocks += blocks
+        else:
+            self.handoff_failed += 1
+
     @property
     def pull_bytes_per_s(self) -> float:
         """Bytes pulled per second of pulling, over every successful pull (0: none yet)."""
@@ -62,4 +82,8 @@ class TransferMetrics:
             "pulls": self.pulls, "pulled_blocks": self.pulled_blocks, "pulled_tokens": self.pulled_tokens,
             "pulled_bytes": self.pulled_bytes, "pull_s": self.pull_s.report(), "pull_bytes_per_s": self.pull_bytes_per_s,
             "pull_fallbacks": dict(self.fallbacks),
+            "warmup_prefixes": self.warmup_prefixes, "warmup_blocks": self.warmup_blocks,
+            "warmup_tokens": self.warmup_tokens, "warmup_skipped": self.warmup_skipped, "warmup_s": self.warmup_s,
+            "handoff_prefixes": self.handoff_prefixes, "handoff_blocks": self.handoff_blocks,
+            "handoff_failed": self.handoff_failed,
         }  # fmt: skip
