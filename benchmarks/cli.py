@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "prefix_prefill": ("prefix_prefill", "48 prompts of 1,025 tokens twice: the cached second pass against the first"),
     "kv_pull": ("kv_pull", "a long prefix's KV pulled from another replica through Ray against recomputing it"),
     "serve_pull": ("serve_pull", "a routed request pulling a 2,000-token prefix through the Serve app against recomputing it"),
+    "scale_out": ("scale_out", "a replica joining emulated replicas under load: its first minute's hit rate, warm-up off and on"),
     "structured": ("structured", "64 JSON-schema requests against the same unconstrained: tok/s ratio, compile time, first token"),
     "serving": ("serving", "an async load generator against any OpenAI-compatible endpoint (vllm bench serve's metrics)"),
     "compare_routers": ("compare_routers", "routers side by side on one fleet of engine replicas, the same trace and rates"),
