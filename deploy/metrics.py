@@ -213,6 +213,9 @@ _TRANSFER_COUNTERS = (
     ("kvroute:kv_pulled_tokens", "pulled_tokens", "Prompt tokens whose KV was pulled instead of recomputed."),
     ("kvroute:kv_pulled_bytes", "pulled_bytes", "Bytes of KV pulled from other replicas."),
     ("kvroute:kv_import_refusals", "import_refusals", "KV imports refused (spec, model, dtype, adapter or token mismatch)."),
+    ("kvroute:kv_warmup_tokens", "warmup_tokens", "Tokens of hot prefixes the replica pulled when it joined, before serving."),
+    ("kvroute:kv_warmup_seconds", "warmup_s", "Seconds the replica spent pulling hot prefixes when it joined."),
+    ("kvroute:kv_handoff_blocks", "handoff_blocks", "KV blocks the replica handed to survivors when it left."),
 )
 
 
