@@ -54,6 +54,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=24.0, help="requests per emulated second")
     ap.add_argument("--before-s", type=float, default=30.0)
     ap.add_argument("--window-s", type=float, default=60.0)
+    options.add_policy_kwargs(ap)
     ap.add_argument("--settings", default="0,8", help="the runs' ClusterConfig.fleet_prefixes (0: no warm-up)")
     options.add_seed(ap)
     options.add_output(ap, "scale_out")
@@ -111,7 +112,8 @@ async def _one_setting(args: argparse.Namespace, prefixes: int) -> dict:
                           time_scale=args.time_scale)  # fmt: skip
     # an application per setting: this process's handle keeps the request router of an app's first deployment
     config = ClusterConfig(engine=engine, app_name=f"{APP}-{prefixes}", num_replicas=args.replicas, num_cpus_per_replica=0.25,
-                           router_num_cpus=0.25, fleet_prefixes=prefixes).with_random_hash_seed()  # fmt: skip
+                           router_num_cpus=0.25, router_policy_kwargs=args.policy_kwargs,
+                           fleet_prefixes=prefixes).with_random_hash_seed()  # fmt: skip
     _deploy(config, args.replicas)
     router = ray.get_actor(config.router_actor_name, namespace="kvroute")
     try:
@@ -180,7 +182,8 @@ def _summary(runs: list[dict], args: argparse.Namespace) -> str:
                 f"{r['new_requests']}/{r['window_requests']} req) vs fleet {f(r['fleet_hit_rate'])} = {f(r['ratio'])}x, "
                 f"TTFT p50/p90 {f(r['ttft_p50_s'])}/{f(r['ttft_p90_s'])} s, warmed {r['warmup']['warmup_tokens']} tok "
                 f"in {r['warmup']['warmup_s']:.2f} s")  # fmt: skip
-    return f"{args.replicas}+1 replicas x{args.time_scale:g}, first {args.window_s:g} s: " + "; ".join(map(one, runs))
+    return (f"{args.replicas}+1 replicas x{args.time_scale:g} at {args.rate:g}/s {args.policy_kwargs or ''}, "
+            f"first {args.window_s:g} s: " + "; ".join(map(one, runs)))
 
 
 if __name__ == "__main__":
