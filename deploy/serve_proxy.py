@@ -33,6 +33,12 @@ FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZ
                  "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 
 
+# How long a replica behind HAProxy stays reachable after Serve starts stopping it, so
+# every node's HAProxy drops it first (Ray's default: 30 s, sized for many nodes). On the
+# one-node cluster kvroute serve starts, HAProxy is told within a second; 30 s only kept
+# Ctrl-C (and every scale-down) waiting.
+_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3"}
+
 # HAProxy's own listeners (stats page, Prometheus metrics), on fixed ports unless set:
 # one free port each, so two clusters on one machine do not collide
 _SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -50,7 +56,7 @@ def apply(proxy: str) -> dict[str, str]:
         raise ValueError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
     chosen = dict(FAST_PATH_ENV) if proxy == "haproxy" else {k: "0" for k in FAST_PATH_ENV}
     if proxy == "haproxy":
-        chosen.update({name: str(_free_port()) for name in _SIDE_PORTS})
+        chosen.update({name: str(_free_port()) for name in _SIDE_PORTS}, **_DRAIN_ENV)
     for key, value in chosen.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in chosen}
