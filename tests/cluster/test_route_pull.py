@@ -165,6 +165,21 @@ def test_a_request_that_follows_a_pull_waits_for_it_and_hits(app):
     _idle(handle, src, dst)
 
 
+def test_a_payload_handed_over_is_cached_and_hit(app):
+    """A leaving replica's hand-off (``cluster/fleet_moves.py``): the KV exported by block
+    hashes at one replica, passed as an argument to the other's ``import_kv``, is cached
+    there whole, and the prompt then hits with the holder's output."""
+    config, handle, (src, dst) = app
+    prompt = _prompt(900, 6)
+    reference = _source_and_reference(config, handle, src, dst, prompt)
+    hashes = hash_blocks(config.hash_spec, prompt)
+    payload = handle.export_kv.remote(ReplicaCall(src), None, block_hashes=hashes).result(timeout_s=30)
+    result = handle.import_kv.remote(ReplicaCall(dst), payload).result(timeout_s=30)
+    assert (result.ok, result.blocks, result.nbytes) == (True, 50, payload.nbytes) and payload.nbytes > 0
+    assert _run(config, handle, prompt, RouteDecision(dst, 392, "prefix")) == (reference, 392, 0)
+    _idle(handle, src, dst)
+
+
 def test_a_source_killed_mid_pull_falls_back(app):
     config, handle, (src, dst) = app
     prompt = _prompt(SLOW, 4)
