@@ -57,7 +57,7 @@ from kvroute.benchmarks.fleets import (
     fleet_from_args,
 )
 from kvroute.benchmarks.real_speed import RouterOverhead
-from kvroute.benchmarks.router_report import after_event, format_rows, per_ingress, write_outputs
+from kvroute.benchmarks.router_report import after_event, format_rows, joined_hit, per_ingress, write_outputs
 from kvroute.benchmarks.serving_config import LoadConfig
 
 
@@ -322,6 +322,8 @@ def _one_run(fleet: Fleet, router: str, rate: float, config: LoadConfig, decode:
     if before is not None:
         time.sleep(1.5)  # the replicas' last metrics report
         run_info["per_replica"] = spread = per_replica(before, fleet.counters() or {})
+        if events.get("added_replicas"):
+            run_info.update(joined_hit(spread, events["added_replicas"]))
         print("  per replica (requests, prompt, cached, adapter loads): " + "; ".join(
             f"{rid}: {c['requests']:.0f}, {c['prompt_tokens']:.0f}, {c['cached_tokens']:.0f}, "
             f"{c.get('adapter_loads', 0):.0f}" for rid, c in spread.items()), flush=True)  # fmt: skip

@@ -155,6 +155,17 @@ def after_event(r: dict[str, Any], event_s: float, window_s: float) -> dict[str,
             "after_event_hit_rate": window_hit_rate(r, [r["request_ids"][i] for i in picked])}  # fmt: skip
 
 
+def joined_hit(spread: dict[str, dict[str, float]], added: Sequence[str]) -> dict[str, Any]:
+    """The replicas that joined mid-run (scale-out), from their counters over the run,
+    which is their whole life: their prefix-cache hit rate (cached / prompt tokens) and
+    their share of the fleet's requests."""
+    rows = [spread[rid] for rid in added if rid in spread]
+    prompt = sum(r.get("prompt_tokens", 0.0) for r in rows)
+    total = sum(r.get("requests", 0.0) for r in spread.values())
+    return {"joined_hit_rate": sum(r.get("cached_tokens", 0.0) for r in rows) / prompt if prompt else None,
+            "joined_request_share": sum(r.get("requests", 0.0) for r in rows) / total if total else None}  # fmt: skip
+
+
 def window_hit_rate(r: dict[str, Any], request_ids: Sequence[str]) -> Optional[float]:
     """Cached / prompt tokens over ``request_ids`` of run ``r`` (None: no prompt tokens)."""
     at = {rid: i for i, rid in enumerate(r["request_ids"])}

@@ -27,3 +27,12 @@ def test_the_window_and_the_new_replicas_share():
     assert r["new_hit_rate"] == pytest.approx(0.4) and r["fleet_hit_rate"] == pytest.approx(0.65)
     assert r["ratio"] == pytest.approx(0.4 / 0.65) and r["join_s"] == 1.0
     assert r["warmup"]["warmup_tokens"] == 32
+
+
+def test_the_joined_replicas_hit_rate_and_share_from_their_counters():
+    from kvroute.benchmarks.router_report import joined_hit
+
+    spread = {"a": {"requests": 30, "prompt_tokens": 3000, "cached_tokens": 2700},
+              "new": {"requests": 10, "prompt_tokens": 1000, "cached_tokens": 500}}
+    assert joined_hit(spread, ["new"]) == {"joined_hit_rate": 0.5, "joined_request_share": 0.25}
+    assert joined_hit(spread, ["gone"]) == {"joined_hit_rate": None, "joined_request_share": 0.0}
