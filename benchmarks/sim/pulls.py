@@ -11,11 +11,16 @@ lacks, those are registered there as an import commits them (fresh blocks, paren
 first, released tail first: cached blocks the request then hits), as many as its free
 blocks allow. A source holding none of it is a fallback: the request is queued at once
 and recomputes.
+
+A joining replica's warm-up (``SimConfig.warmup_prefixes``, as ``cluster/fleet_moves.py``
+does it): the router's warm-up plan is pulled one prefix after another over the
+replica's link (``warm_up``), and the routers add it once the last one is cached.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvroute.benchmarks.sim.replica import SimReplica
 from kvroute.replica.block_hash import BlockHash
@@ -57,6 +62,31 @@ def lease(src: SimReplica, hashes: list[BlockHash], max_blocks: int) -> Lease:
             break
         run.append((h, b.token_ids, b.parent_hash, b.salt, b.lora_name))
     return Lease(tuple(run))
+
+
+def warm_up(router: Any, dst: SimReplica, replicas: dict[str, SimReplica], k: int, block_size: int) -> float:
+    """Cache at ``dst`` the ``k`` hot prefixes ``router`` plans for it; the seconds the
+    pulls take (the profile's time for the blocks it lacked)."""
+    seconds = 0.0
+    for hashes, holder in router.warmup_plan(dst.replica_id, k, max(1, dst.kv.pool.num_free_blocks // 2)):
+        run = lease(replicas[holder], hashes, len(hashes))
+        seconds += dst.cost.pull_time(missing(dst, run) * block_size * dst.cost.kv_bytes_per_token)
+        commit(dst, run)
+    return seconds
+
+
+def joined_window(done: list, joined: set[str], since: float, window_s: float = 60.0) -> dict[str, Any]:
+    """The scale-out figures over the requests that arrive within ``window_s`` from
+    ``since`` (the join): the joined replicas' hit rate (cached / prompt tokens), the
+    fleet's, and the joined replicas' share of those requests."""
+    window = [s for s in done if since <= s.arrival_s < since + window_s]
+    mine = [s for s in window if s.replica_id in joined]
+
+    def hit(sims: list) -> float | None:
+        prompt = sum(s.spec.num_prompt_tokens for s in sims)
+        return sum(max(s.request.num_cached_tokens, 0) for s in sims) / prompt if prompt else None
+
+    return {"hit_rate": hit(mine), "fleet_hit_rate": hit(window), "share": len(mine) / len(window) if window else None}
 
 
 def missing(dst: SimReplica, lease: Lease) -> int:

@@ -81,6 +81,7 @@ class SimConfig:
     lora_rank: int = 16  # every adapter's rank (its slot load: the profile's adapter_load_time)
     max_requests: int = 0  # a replica holding this many passes a request to the one holding fewest (Serve's cap; 0: none)
     pulls: bool = False  # replicas report the profile's pull figures and act on a decision's pull_from (pulls.py)
+    warmup_prefixes: int = 0  # a joining replica first pulls this many hot prefixes (pulls.warm_up)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -163,6 +164,20 @@ class Simulation:
                 router.add_replica(rid, self.config.kv_blocks, self.config.host_kv_blocks)
                 router.report_load(rid, self.replicas[rid].load())  # as a replica registers: its slots and cap
 
+    def _join(self, replica_ids: list[str], warm: bool) -> None:
+        """Replicas join: each warms up first (``pulls.warm_up``), then the routers add it
+        with what it caches."""
+        if not warm and self.config.warmup_prefixes:
+            for rid in replica_ids:
+                s = pulls.warm_up(self.router, self.replicas[rid], self.replicas, self.config.warmup_prefixes, self.config.block_size)
+                self._push(self.now + s, _JOIN, ([rid], True))
+            return
+        self._add(replica_ids)
+        for router in self.routers if warm else ():
+            for rid in replica_ids:
+                rep = self.replicas[rid]
+                router.apply_snapshot(rid, rep.kv.cached_block_hashes(), rep.telemetry.seq, rep.load())
+
     def _new_replica(self, replica_id: str) -> SimReplica:
         c = self.config
         rep = SimReplica(replica_id, c.kv_blocks, self.hash_spec, self.cost, self._sched, c.host_kv_blocks, c.max_loras,
@@ -184,7 +199,7 @@ class Simulation:
             else:
                 self._dependents.setdefault(spec.after, []).append(spec)
         if self.config.joining_replicas:
-            self._push(self.config.join_at_s, _JOIN, list(self.replicas)[-self.config.joining_replicas :])
+            self._push(self.config.join_at_s, _JOIN, (list(self.replicas)[-self.config.joining_replicas :], False))
         if self.config.failing_replicas:
             self._push(self.config.fail_at_s, _FAIL, list(self.replicas)[: self.config.failing_replicas])
         while self._heap:
@@ -199,7 +214,7 @@ class Simulation:
             elif kind == _STEP_END:
                 self._step_end(payload)
             elif kind == _JOIN:
-                self._add(payload)
+                self._join(*payload)
             elif kind == _FAIL:
                 self._fail(payload)
             elif kind == _PEER:
@@ -381,6 +396,8 @@ class Simulation:
             "makespan_s": end - start,
             "output_tokens_per_s": out_tokens / (end - start) if end > start else 0.0,
             "pred_cached_err": sum(err) / len(err) if err else 0.0,
+            "joined": pulls.joined_window(done, set(list(self.replicas)[-self.config.joining_replicas :]),
+                                          self.config.join_at_s) if self.config.joining_replicas else None,  # fmt: skip
             "reuse": reuse.as_dict(),
             "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas.values()),
             "snapshots": self.num_snapshots,

@@ -55,3 +55,19 @@ def test_a_commit_registers_what_the_source_held_and_keeps_what_is_already_there
     assert pulls.commit(dst, run) == 8  # the first three kept, five registered
     assert dst.true_match(hashes) == 8 and all(c == 0 for c in dst.block_ref_counts())
     assert dst.kv.pool.cached_block(hashes[7]).parent_hash == hashes[6]
+
+
+def _scale_out(warmup: int) -> dict:
+    w = with_poisson_arrivals(make_workload("generated-shared-prefix", scale=0.25), 8.0, seed=1)  # 16 groups x 16
+    config = SimConfig(num_replicas=4, kv_blocks=8192, pulls=True, joining_replicas=1, join_at_s=8.0,
+                       warmup_prefixes=warmup)  # fmt: skip
+    return Simulation(w, "kvroute", PROFILE, config).run()
+
+
+def test_a_joining_replica_that_warms_up_takes_its_share_at_the_fleets_hit_rate():
+    cold, warm = _scale_out(0), _scale_out(8)
+    assert cold["completed"] == warm["completed"] == 256
+    j = warm["joined"]
+    assert j["share"] > cold["joined"]["share"] + 0.1  # it holds hot prefixes: the router gives it a share at once
+    assert j["hit_rate"] >= 0.8 * j["fleet_hit_rate"]
+    assert warm["leaked_blocks"] == 0
