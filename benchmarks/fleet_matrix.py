@@ -182,9 +182,11 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     takes ``policy_kwargs``."""
     from kvroute.benchmarks.sim.capacity import estimate_capacity
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
+    from kvroute.cluster.config import ClusterConfig
 
+    # as the emulated Serve replicas, which act on pulls and warm up when they join (ClusterConfig's default)
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                    max_num_seqs=MAX_NUM_SEQS, pulls=True)  # as the emulated Serve replicas, which act on pulls  # fmt: skip
+                    max_num_seqs=MAX_NUM_SEQS, pulls=True, warmup_prefixes=ClusterConfig.fleet_prefixes)  # fmt: skip
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
     out = {}
     for rate in rates:
@@ -264,6 +266,7 @@ def sim_as_measured(router: str, rate: float, m: dict[str, Any]) -> dict[str, An
         "ttft_p99_ms": m["ttft_p99_s"] * 1000, "tpot_median_ms": math.nan, "out_tok_s": m["output_tokens_per_s"],
         "pred_cached_err": m["pred_cached_err"], "requests_per_replica": m["requests_per_replica"],
         "available_rate": m["reuse"]["available_share"], "captured_rate": m["reuse"]["captured_share"],
+        "joined": m.get("joined"),  # scale-out: the joiners' first minute (hit rate, the fleet's, their share)
     }  # fmt: skip
 
 
