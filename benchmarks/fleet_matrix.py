@@ -184,7 +184,7 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
     from kvroute.cluster.config import ClusterConfig
 
-    # as the emulated Serve replicas, which act on pulls and warm up when they join (ClusterConfig's default)
+    # as the emulated Serve replicas, which act on pulls and, under kvroute's router, warm up when they join
     cfg = SimConfig(num_replicas=replicas, kv_blocks=kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED_TOKENS,
                     max_num_seqs=MAX_NUM_SEQS, pulls=True, warmup_prefixes=ClusterConfig.fleet_prefixes)  # fmt: skip
     capacity = estimate_capacity(workload, profile, cfg)["capacity_rps"]
@@ -196,7 +196,8 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
                                  host_kv_blocks=host_kv_blocks)  # fmt: skip
         for policy in sorted({SIM_POLICY[r] for r in routers}):
             kwargs = (policy_kwargs or {}) if policy == "kvroute" else {}
-            out[(policy, rate)] = Simulation(at_rate, policy, profile, at, **kwargs).run()
+            warm = at if policy == "kvroute" else dataclasses.replace(at, warmup_prefixes=0)  # the peers know no hot prefixes
+            out[(policy, rate)] = Simulation(at_rate, policy, profile, warm, **kwargs).run()
     return capacity, out
 
 
