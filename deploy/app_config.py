@@ -89,6 +89,8 @@ class LLMConfig(_Strict):
     router_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     num_routers: int = Field(default=1, ge=1)
     router_num_cpus: float = Field(default=0.5, ge=0, description="CPU each router actor reserves")
+    fleet_prefixes: int = Field(default=8, ge=0, description="hot prefixes a joining replica pulls before it "
+                                "serves, and a leaving one hands to survivors (0: off)")  # fmt: skip
     torch_threads: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("engine_kwargs")
@@ -210,6 +212,7 @@ class AppArgs(_Strict):
             router_policy_kwargs=llm.router_policy_kwargs,
             num_routers=llm.num_routers,
             router_num_cpus=llm.router_num_cpus,
+            fleet_prefixes=llm.fleet_prefixes,
             graceful_shutdown_timeout_s=dep.graceful_shutdown_timeout_s,
         )
         return config

@@ -182,3 +182,13 @@ def test_an_ingress_only_app_needs_the_engine_apps_seed_and_an_engine_app():
     workers = _app_args(yaml.safe_load((DEPLOY / "serve_workers.yaml").read_text()))
     with pytest.raises(ValueError, match="external-workers app has none"):
         compose_ingress_app(workers, "kvroute")
+
+
+_LLM = [{"model_loading_config": {"model_id": "m"}}]
+
+def test_fleet_prefixes_reach_the_cluster_config():
+    """The warm-up and hand-off bound, from the Serve config to ClusterConfig (0: off; negative refused)."""
+    assert parse_args({"llm_configs": _LLM}).cluster_config().fleet_prefixes == 8
+    assert parse_args({"llm_configs": [{**_LLM[0], "fleet_prefixes": 0}]}).cluster_config().fleet_prefixes == 0
+    with pytest.raises(ValueError, match="fleet_prefixes"):
+        parse_args({"llm_configs": [{**_LLM[0], "fleet_prefixes": -1}]})

@@ -32,3 +32,4 @@ def test_per_node_counts_the_nodes_that_can_host_one(ray_cluster):
     assert hosting_nodes(8) == 1 and hosting_nodes(9) == 1  # a node without the CPUs is not counted; one at least
     assert len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 9]) == 0
     assert ingress_options("per_node", 0.5, 2)["max_replicas_per_node"] == 2
+
