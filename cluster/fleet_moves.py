@@ -30,7 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvroute.cluster.kv_pull import PullResult, pull_prefix
+from kvroute.cluster.kv_pull import PullResult, pull_prefix, wall_scale
 from kvroute.cluster.messages import ReplicaCall
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ class FleetMoves:
                  call_timeout_s: float) -> None:  # fmt: skip
         self.replica_id, self.engine, self._handle = replica_id, engine, handle
         self.prefixes, self.call_timeout_s = prefixes, call_timeout_s
-        config = engine.engine.config
-        self.scale = config.time_scale if config.emulate is not None else 1.0
+        self.scale = wall_scale(engine)
         self.metrics = engine.engine.kv_transfer.metrics
 
     async def warm_up(self, router: Any) -> list[PullResult]:

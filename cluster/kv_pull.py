@@ -57,6 +57,13 @@ class PullResult:
         return self.fallback is None
 
 
+def wall_scale(engine: AsyncEngine) -> float:
+    """How much longer than real a transfer's bounds must be on ``engine``: an emulated
+    engine's ``time_scale`` (it stretches its steps and its transfers alike), else 1."""
+    config = engine.engine.config
+    return config.time_scale if config.emulate is not None else 1.0
+
+
 async def export_payload(
     engine: AsyncEngine, token_ids: Sequence[int] | None, cache_salt: str | None = None, lora_name: str | None = None,
     max_blocks: int | None = None, block_hashes: Sequence[int] | None = None,

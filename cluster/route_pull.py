@@ -26,7 +26,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvroute.cluster.kv_pull import PULL_TIMEOUT_S, PullResult, pull_prefix
+from kvroute.cluster.kv_pull import PULL_TIMEOUT_S, PullResult, pull_prefix, wall_scale
 from kvroute.cluster.messages import GenerateRequest, ReplicaCall
 from kvroute.router.types import RouteDecision
 
@@ -45,8 +45,7 @@ class RoutePuller:
         self.engine = engine
         self._handle_factory = handle
         self._handle: Any = None
-        config = engine.engine.config
-        self.timeout_s = timeout_s * (config.time_scale if config.emulate is not None else 1.0)
+        self.timeout_s = timeout_s * wall_scale(engine)
         self._inflight: list[tuple[list[int], asyncio.Future]] = []  # pulls running here: (tokens, done)
         engine.report_pulls()  # routers may now ask this replica to pull
 
