@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "lora_fleet": ("lora_fleet", "many LoRA adapters on one fleet: simulated, or measured on emulated replicas (--emulate)"),
     "router_overhead": ("router_overhead", "the router in-process: route latency, event application rate, directory memory"),
     "router_cpu": ("router_cpu", "one router actor's CPU, replayed without Ray, per call kind (--baseline REF: before/after)"),
+    "kv_event_decode": ("kv_event_decode", "a worker's vLLM KV event stream decoded and applied: events/s, µs per block (--baseline REF)"),
     "worker_pool_cpu": ("worker_pool_cpu", "the worker pool's CPU per worker per second (--baseline REF: before/after)"),
     "data_path": ("data_path", "the routing layer's own cost at real speed: kvroute serve (haproxy, python, workers) beside sglang/vllm-router"),
     "cluster_overhead": ("cluster_overhead", "what routing through the router actor costs a request on a local Ray cluster"),
