@@ -53,7 +53,10 @@ the simulator mirrors them (``SimConfig(pulls=True)``).
 
 ``--sim-only`` fills the whole matrix (every router, load and scenario) from the
 simulator alone in minutes, with no Ray and no replicas: the rows then hold the
-predictions, and the measured columns repeat them.
+predictions, and the measured columns repeat them. There ``--routers`` may also name
+``kvroute:LABEL``, kvroute with the options ``VARIANTS[LABEL]`` added to
+``--policy-kwargs`` (``kvroute:nopulls``: ``{"pulls": false}``), so one invocation runs
+a rule on and off beside the peers; a variant is kvroute's, never a peer, in the targets.
 
 Outputs: ``matrix.json`` (every run, its prediction, the targets), ``table.md``, and per
 scenario the compare_routers outputs (``<scenario>/``: JSON per run, plots). One
@@ -107,6 +110,19 @@ SIM_POLICY = {"kvroute": "kvroute", "prefix_affinity_ray": "prefix_affinity_ray"
 BLOCK_SIZE = 16
 MAX_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 256
+# --sim-only: ``kvroute:LABEL`` runs kvroute with these options added to --policy-kwargs
+VARIANTS: dict[str, dict[str, Any]] = {"nopulls": {"pulls": False}}
+
+
+def sim_key(router: str) -> str:
+    """The simulator's stand-in for ``router`` (``kvroute:LABEL``: ``kvroute:LABEL``)."""
+    base, _, label = router.partition(":")
+    return SIM_POLICY[base] + (f":{label}" if label else "")
+
+
+def is_ours(router: str) -> bool:
+    """kvroute or one of its ``--sim-only`` variants (never a peer in the targets)."""
+    return router.partition(":")[0] == "kvroute"
 
 
 def workload_of(name: str, scale: float, len_scale: float, seed: int, **kwargs: Any) -> wl.Workload:
@@ -179,7 +195,7 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
     """(the whole fleet's capacity in req/s, the simulator's metrics per (router, rate));
     at half the arrival span ``joining`` replicas join and ``failing`` die and come back
     empty; each replica has a host KV tier of ``host_kv_blocks``; the kvroute policy
-    takes ``policy_kwargs``."""
+    takes ``policy_kwargs`` (a ``kvroute:LABEL`` router, ``VARIANTS[LABEL]`` too)."""
     from kvroute.benchmarks.sim.capacity import estimate_capacity
     from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
     from kvroute.cluster.config import ClusterConfig
@@ -194,10 +210,11 @@ def predict(workload: wl.Workload, profile: Any, replicas: int, kv_blocks: int, 
         mid = 0.5 * max(r.arrival_s for r in at_rate.requests)
         at = dataclasses.replace(cfg, joining_replicas=joining, join_at_s=mid, failing_replicas=failing, fail_at_s=mid,
                                  host_kv_blocks=host_kv_blocks)  # fmt: skip
-        for policy in sorted({SIM_POLICY[r] for r in routers}):
-            kwargs = (policy_kwargs or {}) if policy == "kvroute" else {}
+        for key in sorted({sim_key(r) for r in routers}):
+            policy, _, label = key.partition(":")
+            kwargs = {**(policy_kwargs or {}), **VARIANTS.get(label, {})} if policy == "kvroute" else {}
             warm = at if policy == "kvroute" else dataclasses.replace(at, warmup_prefixes=0)  # the peers know no hot prefixes
-            out[(policy, rate)] = Simulation(at_rate, policy, profile, warm, **kwargs).run()
+            out[(key, rate)] = Simulation(at_rate, policy, profile, warm, **kwargs).run()
     return capacity, out
 
 
@@ -228,8 +245,8 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: P
     if s.kv_pressure:
         head["trace_kv_pressure"] = distinct_blocks(workload) / (kv_blocks * args.replicas)
     if args.sim_only:
-        rows = [{**head, "load": load, **sim_as_measured(router, rate, sim[(SIM_POLICY[router], rate)]),
-                 **sim_columns(router, sim[(SIM_POLICY[router], rate)])}
+        rows = [{**head, "load": load, **sim_as_measured(router, rate, sim[(sim_key(router), rate)]),
+                 **sim_columns(router, sim[(sim_key(router), rate)])}
                 for load, rate in zip(loads, rates) for router in routers]  # fmt: skip
         return [overhead.annotate(r) for r in rows] if overhead else rows
     engine_kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
@@ -245,14 +262,14 @@ def run_scenario(name: str, args: argparse.Namespace, routers: list[str], out: P
     rows = []
     for row in combined["rows"]:
         load = loads[rates.index(row["rate"])]
-        predicted = sim[(SIM_POLICY[row["router"]], row["rate"])]
+        predicted = sim[(sim_key(row["router"]), row["rate"])]
         rows.append({**head, "load": load, **row, **sim_columns(row["router"], predicted)})
     return rows
 
 
 def sim_columns(router: str, m: dict[str, Any]) -> dict[str, Any]:
     """The simulator's prediction ``m`` for ``router``, as the matrix's ``sim_*`` columns."""
-    return {"sim_policy": SIM_POLICY[router], "sim_ttft_p90_ms": m["ttft_p90_s"] * 1000,
+    return {"sim_policy": sim_key(router), "sim_ttft_p90_ms": m["ttft_p90_s"] * 1000,
             "sim_ttft_p99_ms": m["ttft_p99_s"] * 1000, "sim_hit_rate": m["hit_rate"],
             "sim_out_tok_s": m["output_tokens_per_s"], "sim_available_rate": m["reuse"]["available_share"],
             "sim_captured_rate": m["reuse"]["captured_share"]}  # fmt: skip
@@ -268,26 +285,30 @@ def sim_as_measured(router: str, rate: float, m: dict[str, Any]) -> dict[str, An
         "pred_cached_err": m["pred_cached_err"], "requests_per_replica": m["requests_per_replica"],
         "available_rate": m["reuse"]["available_share"], "captured_rate": m["reuse"]["captured_share"],
         "joined": m.get("joined"),  # scale-out: the joiners' first minute (hit rate, the fleet's, their share)
+        "pulls": m.get("pulls"), "reasons": m.get("reasons"),  # (pulled tokens are hits: cached when the request runs)
     }  # fmt: skip
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per scenario and load: kvroute's p90/p99 TTFT and throughput against the best peer
-    (by p90), and the simulator's error on kvroute's p90; where the rows carry the
+    (by p90), its hit rate against the best peer's (by hit: ``hit_over_best_peer``),
+    and the simulator's error on kvroute's p90; where the rows carry the
     routers' real-speed added latency, the p90/p99 ratios again with it
     (``*_plus_router``, ``real_speed.versus_best_peer``)."""
     out = []
     for key in sorted({(r["scenario"], r["load"]) for r in rows}):
         at = {r["router"]: r for r in rows if (r["scenario"], r["load"]) == key}
         k = at.get("kvroute")
-        peers = {n: r for n, r in at.items() if n != "kvroute" and r["completed"]}
+        peers = {n: r for n, r in at.items() if not is_ours(n) and r["completed"]}
         if k is None or not peers:
             continue
         best = min(peers, key=lambda n: peers[n]["ttft_p90_ms"] or math.inf)
         b = peers[best]
         plus = real_speed.versus_best_peer(k, peers)
+        best_hit = max(peers, key=lambda n: peers[n]["hit_rate"])
         out.append({
             "scenario": key[0], "load": key[1], "best_peer": best,
+            "best_hit_peer": best_hit, "hit_over_best_peer": k["hit_rate"] / max(peers[best_hit]["hit_rate"], 1e-9),
             "p90_over_best_peer": k["ttft_p90_ms"] / max(b["ttft_p90_ms"], 1e-9),
             "p99_over_best_peer": k["ttft_p99_ms"] / max(b["ttft_p99_ms"], 1e-9),
             "throughput_over_best_peer": k["out_tok_s"] / max(b["out_tok_s"], 1e-9),
@@ -335,11 +356,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     scenarios, routers = options.csv(args.scenarios), options.csv(args.routers)
     unknown = [s for s in scenarios if s not in SCENARIOS]
-    bad = [r for r in routers if r not in SIM_POLICY]
+    bad = [r for r in routers if r.partition(":")[0] not in SIM_POLICY
+           or (":" in r and not (is_ours(r) and r.partition(":")[2] in VARIANTS and args.sim_only))]
     if unknown or bad:
-        raise ValueError(f"unknown scenarios {unknown} (choose from {sorted(SCENARIOS)}) or routers {bad}")
+        raise ValueError(f"unknown scenarios {unknown} (choose from {sorted(SCENARIOS)}) or routers {bad} (from {sorted(SIM_POLICY)}; "
+                         f"with --sim-only also kvroute:LABEL, LABEL in {sorted(VARIANTS)})")
     t0, out = time.perf_counter(), options.result_folder("fleet_matrix", args.out_dir)
     overhead = real_speed.from_args(args, routers, out, None if args.sim_only else args.time_scale)
+    if overhead is not None and "kvroute" in overhead.mapping:  # a kvroute variant pays kvroute's routing layer
+        variants = {r: overhead.mapping["kvroute"] for r in routers if is_ours(r) and r not in overhead.mapping}
+        overhead = dataclasses.replace(overhead, mapping={**overhead.mapping, **variants})
     rows: list[dict[str, Any]] = []
     for name in scenarios:
         rows += run_scenario(name, args, routers, out, overhead)
@@ -355,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "table.md").write_text(table(rows) + "\n")
     print(table(rows))
     errors = sum(r["failed"] for r in rows)
-    ours = sum(r["failed"] for r in rows if r["router"] == "kvroute")
+    ours = sum(r["failed"] for r in rows if is_ours(r["router"]))
     # a peer's errors are a measured outcome (requests lost with a killed replica, or
     # refused by replicas it overloaded: 429 at max_queued_requests, 503 when no first
     # token comes in time); kvroute's mean something went wrong

@@ -64,3 +64,32 @@ def test_the_emulated_lora_benchmark_takes_them_too():
     lora_fleet.add_args(p)
     args = p.parse_args(["--emulate", "gpu_h100_llama3_8b", "--policy-kwargs", '{"adapter_copies": true}'])
     assert fleet_from_args(args, model=args.model).policy_kwargs == {"adapter_copies": True}
+
+
+def test_a_kvroute_variant_runs_beside_kvroute_and_the_peers_in_one_simulated_matrix(tmp_path, capsys):
+    """``--sim-only --routers kvroute,kvroute:nopulls,...``: the variant runs kvroute with
+    ``{"pulls": false}`` on the same trace, is kvroute's (never the best peer) in the
+    targets, and pays kvroute's routing layer where the added latency is counted."""
+    hand = tmp_path / "data_path.json"
+    hand.write_text(json.dumps({"systems": [{"system": "kvroute_direct", "open_loop": {"p50_ms": 30.0, "p99_ms": 60.0}},
+                                            {"system": "vllm_router", "open_loop": {"p50_ms": 12.0, "p99_ms": 22.0}},
+                                            {"system": "direct", "open_loop": {"p50_ms": 10.0, "p99_ms": 20.0}}]}))  # fmt: skip
+    out = tmp_path / "m"
+    assert bench(["fleet_matrix", "--sim-only", "--replicas", "4", "--scenarios", "fork", "--loads", "0.9",
+                  "--routers", "kvroute,kvroute:nopulls,vllm_router", "--scale", "0.1", "--len-scale", "0.1",
+                  "--overhead-from", str(hand), "--out-dir", str(out)]) == 0  # fmt: skip
+    matrix = json.loads((out / "matrix.json").read_text())
+    rows = {r["router"]: r for r in matrix["rows"]}
+    assert set(rows) == {"kvroute", "kvroute:nopulls", "vllm_router"}
+    assert rows["kvroute:nopulls"]["sim_policy"] == "kvroute:nopulls" and rows["kvroute"]["sim_policy"] == "kvroute"
+    assert rows["kvroute"]["pulls"]["pulls"] > 0 and rows["kvroute:nopulls"]["pulls"]["pulls"] == 0
+    assert "pull" not in rows["kvroute:nopulls"]["reasons"]
+    assert rows["kvroute:nopulls"]["router_added_p99_ms"] == rows["kvroute"]["router_added_p99_ms"] == 40.0
+    (t,) = matrix["targets"]
+    assert t["best_peer"] == t["best_hit_peer"] == "vllm_router"
+    assert t["hit_over_best_peer"] == pytest.approx(rows["kvroute"]["hit_rate"] / rows["vllm_router"]["hit_rate"])
+    # a measured run has no such router: refused before anything starts
+    capsys.readouterr()
+    assert bench(["fleet_matrix", "--replicas", "4", "--scenarios", "gsp", "--routers", "kvroute:nopulls",
+                  "--out-dir", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert "kvroute:LABEL" in capsys.readouterr().err and not (tmp_path / "x").exists()
