@@ -39,20 +39,25 @@ with ``kv_cache_report_mode="full"`` re-announces its reused blocks without a ne
 such a block stays counted until the directory's LRU bound drops it). Blocks it cannot
 key exactly are left out, and with them every block chained on them: a parent it never
 saw (history lost), multimodal or prompt-embedding extra keys, a block size other than
-the spec's, a KV cache group other than 0, a medium other than GPU (device tier) or CPU
-(host tier). The directory then holds less than the worker, never more. Stdlib, msgpack
-and xxhash only: no torch, no ZMQ.
+the spec's, a token id that is not a uint32, a KV cache group other than 0, a medium
+other than GPU (device tier) or CPU (host tier). The directory then holds less than the
+worker, never more. A batch is unpacked once by msgpack's C decoder and walked once
+(``WorkerCache``): the per-block work is one hash call and a few dict operations.
+Stdlib, msgpack and xxhash only: no torch, no ZMQ.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import msgpack
+from xxhash import xxh3_128_intdigest as _xxh3_128
 
-from kvroute.replica.block_hash import BlockHash, HashSpec, hash_block, root_hash
-from kvroute.replica.kv_events import KVEvents, PendingEvents
+from kvroute.replica.block_hash import BlockHash, HashSpec, root_hash
+from kvroute.replica.kv_events import KVEvents
 
 VLLM_VERSION_READ = "0.32.0"
 END_SEQ = -1
@@ -124,14 +129,26 @@ class Counters:
 
 
 class WorkerCache:
-    """What one worker holds, in kvroute hashes, per tier, rebuilt from its events."""
+    """What one worker holds, in kvroute hashes, per tier, rebuilt from its events.
+
+    ``apply`` walks a decoded batch once, each event's blocks in one tight loop with
+    the dicts it touches bound to locals: an event's token ids are packed into
+    little-endian uint32 bytes once (not per block), each new block is one
+    ``xxh3_128`` of its parent's hash and its slice of them, root hashes are
+    memoized per (salt, adapter), and the net changes are two ordered sets per tier
+    (stored, removed; disjoint), so a block costs a few dict operations and one hash
+    call. ``take`` hands them out as the stream's next ``KVEvents``."""
 
     def __init__(self, hash_spec: HashSpec) -> None:
         self.spec = hash_spec
         self.names: dict[EngineHash, BlockHash] = {}
         self.refs: dict[str, dict[EngineHash, int]] = {DEVICE: {}, HOST: {}}
         self.counters = Counters()
-        self._changes = {DEVICE: PendingEvents(), HOST: PendingEvents()}
+        # per tier (stored, removed) since the last take: a store and a removal of one
+        # hash in between cancel out (KVEvents' contract), insertion order kept
+        self._net: dict[str, tuple[dict[BlockHash, None], dict[BlockHash, None]]] = {DEVICE: ({}, {}), HOST: ({}, {})}
+        self._cleared = False
+        self._roots: dict[tuple[str | None, str | None], BlockHash] = {}
 
     def hashes(self, tier: str) -> list[BlockHash]:
         return [self.names[k] for k in self.refs[tier]]
@@ -140,86 +157,135 @@ class WorkerCache:
         self.names.clear()
         for tier in (DEVICE, HOST):
             self.refs[tier].clear()
-            self._changes[tier].clear()
+            for changes in self._net[tier]:
+                changes.clear()
+        self._cleared = True
 
     def apply(self, events: Sequence[dict[str, Any]]) -> None:
+        counters = self.counters
         for ev in events:
-            self.counters.events += 1
+            counters.events += 1
             kind = ev["type"]
             if kind == "AllBlocksCleared":
                 self.clear()
-            elif _tier(ev) is None or ev.get("group_idx") not in (None, 0):
-                self.counters.unsupported += 1
+                continue
+            medium = ev.get("medium")
+            tier = DEVICE if medium is None or medium == DEVICE else HOST if medium == HOST else None
+            if tier is None or ev.get("group_idx") not in (None, 0):
+                counters.unsupported += 1
             elif kind == "BlockStored":
-                self._store(ev, _tier(ev))
+                self._store(ev, tier)
             elif kind == "BlockRemoved":
-                for key in ev["block_hashes"]:
-                    self._unref(key, _tier(ev))
+                self._remove(ev["block_hashes"], tier)
             else:
-                self.counters.unsupported += 1
+                counters.unsupported += 1
 
     def take(self) -> tuple[list[BlockHash], list[BlockHash], list[BlockHash], list[BlockHash], bool]:
         """(stored, removed, host_stored, host_removed, cleared) since the last call."""
-        stored, removed, cleared = self._changes[DEVICE].take()
-        host_stored, host_removed, host_cleared = self._changes[HOST].take()
-        return stored, removed, host_stored, host_removed, cleared or host_cleared
+        (stored, removed), (host_stored, host_removed) = self._net[DEVICE], self._net[HOST]
+        out = (list(stored), list(removed), list(host_stored), list(host_removed), self._cleared)
+        for changes in (stored, removed, host_stored, host_removed):
+            changes.clear()
+        self._cleared = False
+        return out
 
     def _store(self, ev: dict[str, Any], tier: str) -> None:
+        """One ``BlockStored``: each block named (known, or hashed on its parent's name)
+        and referenced in ``tier``; the first block that cannot be keyed ends it."""
         keys, parent = ev["block_hashes"], ev["parent_block_hash"]
         extra = ev.get("extra_keys") or [None] * len(keys)
+        names, refs = self.names, self.refs[tier]
+        stored, removed = self._net[tier]
+        raw: bytes | None = None  # the event's token ids as little-endian uint32, packed on first need
+        step, seed = 4 * self.spec.block_size, self.spec.seed
+        parent_name: BlockHash | None = None  # the name of ``parent`` once looked up
         for i, key in enumerate(keys):
-            name = self.names.get(key)
+            name = names.get(key)
             if name is None:
                 try:
-                    name = self._name(ev, i, parent, extra[i] if i < len(extra) else None)
+                    if raw is None:
+                        raw = self._tokens(ev, len(keys))
+                    x = extra[i] if i < len(extra) else None
+                    salt = _salt(x, ev.get("lora_name"), first=parent is None) if x else None
                 except _Unkeyable:
                     self.counters.unsupported += len(keys) - i
                     return
-                if name is None:
-                    self.counters.orphans += len(keys) - i
-                    return
-                self.names[key] = name
-            self._ref(key, tier)
-            parent = key
+                if parent is None:
+                    parent_name = self._root(salt, ev.get("lora_name"))
+                elif parent_name is None:
+                    parent_name = names.get(parent)
+                    if parent_name is None:
+                        self.counters.orphans += len(keys) - i
+                        return
+                data = parent_name.to_bytes(16, "little") + raw[i * step : (i + 1) * step]  # hash_block's bytes
+                name = names[key] = BlockHash(_xxh3_128(data, seed))
+                refs[key] = 1  # a key no tier holds has no name (_remove forgets it)
+                if removed and name in removed:
+                    del removed[name]
+                else:
+                    stored[name] = None
+            else:
+                n = refs.get(key, 0)
+                refs[key] = n + 1
+                if n == 0:
+                    if removed and name in removed:
+                        del removed[name]
+                    else:
+                        stored[name] = None
+            parent, parent_name = key, name
 
-    def _name(self, ev: dict[str, Any], i: int, parent: EngineHash | None, extra: Any) -> BlockHash | None:
+    def _remove(self, keys: Sequence[EngineHash], tier: str) -> None:
+        """One ``BlockRemoved``: each key unreferenced in ``tier``, its name forgotten
+        once no tier holds it."""
+        names, refs = self.names, self.refs[tier]
+        other = self.refs[HOST if tier == DEVICE else DEVICE]
+        stored, removed = self._net[tier]
+        for key in keys:
+            n = refs.get(key, 0)
+            if n == 1:
+                del refs[key]
+                name = names[key]
+                if stored and name in stored:
+                    del stored[name]
+                else:
+                    removed[name] = None
+                if not other or key not in other:
+                    del names[key]
+            elif n:
+                refs[key] = n - 1
+            else:
+                self.counters.unknown_removals += 1
+
+    def _tokens(self, ev: dict[str, Any], num_blocks: int) -> bytes:
+        """The event's token ids as little-endian uint32 bytes (what ``hash_block``
+        hashes); ``_Unkeyable`` for another block size, a token count that is not whole
+        blocks, or a token id that is not a uint32."""
         bs = self.spec.block_size
         tokens = ev["token_ids"]
-        if ev["block_size"] != bs or len(tokens) != bs * len(ev["block_hashes"]):
+        if ev["block_size"] != bs or len(tokens) != bs * num_blocks:
             raise _Unkeyable
-        salt = _salt(extra, ev.get("lora_name"), first=parent is None)
-        if parent is None:
-            parent_name = root_hash(self.spec, salt, ev.get("lora_name"))
-        else:
-            parent_name = self.names.get(parent)
-            if parent_name is None:
-                return None
-        return hash_block(self.spec, parent_name, tokens[i * bs : (i + 1) * bs])
+        try:
+            packed = array(_UINT32, tokens)
+        except (TypeError, ValueError, OverflowError):
+            raise _Unkeyable from None
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        return packed.tobytes()
 
-    def _ref(self, key: EngineHash, tier: str) -> None:
-        refs = self.refs[tier]
-        refs[key] = refs.get(key, 0) + 1
-        if refs[key] == 1:
-            self._changes[tier].note(self.names[key], True)
-
-    def _unref(self, key: EngineHash, tier: str) -> None:
-        refs = self.refs[tier]
-        n = refs.get(key, 0)
-        if n == 0:
-            self.counters.unknown_removals += 1
-            return
-        if n > 1:
-            refs[key] = n - 1
-            return
-        del refs[key]
-        self._changes[tier].note(self.names[key], False)
-        if not any(key in r for r in self.refs.values()):
-            del self.names[key]
+    def _root(self, salt: str | None, lora_name: str | None) -> BlockHash:
+        """``root_hash`` memoized (a few salts and adapters recur on every chain)."""
+        key = (salt, lora_name)
+        root = self._roots.get(key)
+        if root is None:
+            if len(self._roots) >= _MAX_ROOTS:
+                self._roots.clear()
+            root = self._roots[key] = root_hash(self.spec, salt, lora_name)
+        return root
 
 
-def _tier(ev: dict[str, Any]) -> str | None:
-    medium = ev.get("medium")
-    return DEVICE if medium in (None, DEVICE) else HOST if medium == HOST else None
+_MAX_ROOTS = 4096
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _salt(extra: Any, lora_name: str | None, first: bool) -> str | None:
