@@ -98,7 +98,7 @@ class _Worker:
         return [e for e, _ in events], sum(n for _, n in events)
 
 
-def build(scenario: str, batches: int, bs: int, seed: int) -> dict[str, Any]:
+def build(scenario: str, batches: int, bs: int, seed: int, fixture: Path = FIXTURE) -> dict[str, Any]:
     """``{"warm": [payload], "timed": [payload], "events": n, "blocks": n, "copies": k}``:
     the payloads applied untimed first, then the timed ones, in one stream; the timed
     ones replayed on ``k`` streams (the short recorded stream: as many batches as the
@@ -109,7 +109,7 @@ def build(scenario: str, batches: int, bs: int, seed: int) -> dict[str, Any]:
     timed: list[bytes] = []
     events = blocks = 0
     if scenario == "recorded":
-        rec = json.loads(FIXTURE.read_text())
+        rec = json.loads(Path(fixture).read_text())
         timed = [base64.b64decode(p) for _, _, p in rec["frames"]]
         for p in timed:
             _, evs, _ = wire.decode_batch(p)
@@ -196,7 +196,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Per scenario, the best of ``--reps`` passes, feed alone and with the publishers."""
     out: dict[str, Any] = {}
     for name in args.scenarios.split(","):
-        data = build(name, args.batches, args.block_size, args.seed)
+        data = build(name, args.batches, args.block_size, args.seed, args.fixture)
         feeds = [one_pass(data, args.routers, False) for _ in range(args.reps)]
         totals = [one_pass(data, args.routers, True) for _ in range(args.reps)]
         feed, total = min(feeds), min(totals)
@@ -213,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def profile_top(args: argparse.Namespace, n: int = 20) -> str:
     prof = cProfile.Profile()
     for name in args.scenarios.split(","):
-        one_pass(build(name, args.batches, args.block_size, args.seed), args.routers, True, prof)
+        one_pass(build(name, args.batches, args.block_size, args.seed, args.fixture), args.routers, True, prof)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(n)
     return buf.getvalue()
@@ -231,7 +231,8 @@ def child(argv: list[str]) -> None:
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     argv = [f"--block-size={args.block_size}", f"--batches={args.batches}", f"--reps={args.reps}",
-            f"--scenarios={args.scenarios}", f"--routers={args.routers}", f"--seed={args.seed}"]  # fmt: skip
+            f"--scenarios={args.scenarios}", f"--routers={args.routers}", f"--seed={args.seed}",
+            f"--fixture={Path(args.fixture).resolve()}"]  # fmt: skip
     runs = alternate(args.baseline, Path(__file__), args.rounds,
                      lambda tree: json.loads(child_run("kvroute.benchmarks.kv_event_decode", argv, tree)))  # fmt: skip
     assert runs["before"][0]["code"] != runs["after"][0]["code"], "the baseline ran this checkout's code"
@@ -254,6 +255,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=5, help="passes per scenario (the best counts)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     ap.add_argument("--routers", type=int, default=1, help="router links (one EventPublisher each)")
+    ap.add_argument("--fixture", default=str(FIXTURE), help="the recorded vLLM stream (the recorded scenario)")
     options.add_seed(ap)
     ap.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     ap.add_argument("--baseline", default=None, help="git ref to compare against, side by side")

@@ -9,7 +9,8 @@ from kvroute.benchmarks import kv_event_decode as bench
 
 
 def test_every_scenario_is_a_clean_stream_and_is_measured():
-    args = argparse.Namespace(block_size=16, batches=60, reps=1, scenarios=",".join(bench.SCENARIOS), routers=2, seed=0)
+    args = argparse.Namespace(block_size=16, batches=60, reps=1, scenarios=",".join(bench.SCENARIOS), routers=2, seed=0,
+                              fixture=bench.FIXTURE)
     out = bench.measure(args)
     assert set(out) == set(bench.SCENARIOS)
     for name, r in out.items():
