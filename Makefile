@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# two pytest-xdist workers (module by module; tests/conftest.py says which run alone)
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=40 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=40 tests
 
 serve: $(STAMP)
 	$(BIN)/kvroute serve $(SERVE_ARGS)

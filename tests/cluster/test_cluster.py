@@ -106,7 +106,10 @@ def test_shared_prefix_lands_on_its_holder_and_unrelated_requests_spread(app):
     assert [r[-1].num_cached_tokens for r in rest] == [len(PREFIX)] * 5
     states = _settle(router, config)
     holders = [rid for rid, s in states.items() if set(hash_blocks(config.hash_spec, PREFIX)) <= set(s["cached_block_hashes"])]
-    assert len(holders) == 1
+    # one holder, unless the router moved the prefix instead of waiting at a busy holder (a
+    # pull: its KV copied, not recomputed, as every follow-up's full cache hit says)
+    pulls = ray.get(router.stats.remote())["decisions_by_reason"].get("pull", 0)
+    assert len(holders) == 1 + min(pulls, 1), (holders, pulls)
     # The holder got the router's tickets with its requests and reports them back, so the
     # router drops its optimistic increments with the next report, not at their TTL
     assert states[holders[0]]["route_ticket"] > 0

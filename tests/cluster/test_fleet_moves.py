@@ -3,7 +3,7 @@ emulated engines on the tiny Llama's config: a replica that joins pulls the flee
 prefixes before it serves, so its first request on one hits; one that leaves on a
 scale-down hands the hot prefixes only it holds to the survivor; a warm-up whose source
 dies mid-export falls back, the new replica starts anyway and holds no block. The
-source's export sleeps 3 s for a prefix whose first token is ``SLOW``. Tests run in file
+source's export sleeps 5 s for a prefix whose first token is ``SLOW``. Tests run in file
 order, on one application scaled 1 -> 2 -> 1 -> 2; the kill comes last."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvroute.router.types import RouteDecision  # noqa: E402
 
 APP = "kvtest-fleet"
 SLOW = 31_001
+SLOW_EXPORT_S = 5.0
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2)
 
 
@@ -42,7 +43,7 @@ async def slow_export_engine(engine_config):
 
     def copy(lease, on_device=False):
         if lease.header.token_ids and lease.header.token_ids[0][0] == SLOW:
-            time.sleep(3.0)
+            time.sleep(SLOW_EXPORT_S)
         return real(lease, on_device)
 
     xfer.copy = copy
@@ -160,7 +161,9 @@ def test_a_warmup_whose_source_dies_falls_back(app):
     _deploy(config, 2, blocking=False)
     wait_until(lambda: ray.get(router.stats.remote())["warmup_plans"] > plans, 30, "the new replica's warm-up")
     (new,) = set(_replicas(router)) - {source}  # registered before it asked for its plan
-    time.sleep(1.0)  # inside the source's 3 s export of the slow prefix
+    # kill inside the slow prefix's export, once another hot prefix reached the new replica
+    # (its KV events show it in the directory)
+    wait_until(lambda: ray.get(router.directory.remote(new)), SLOW_EXPORT_S - 1.5, "a hot prefix on the new replica")
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{config.deployment_name}#{source}", namespace="serve")
     ray.kill(actor, no_restart=True)
     wait_until(lambda: _running(handle, new), 30, "the new replica to serve")
