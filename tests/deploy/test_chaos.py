@@ -1,7 +1,8 @@
 """``kvroute serve`` as the installed script, one start for the module (``served``), on
 its default data path (HAProxy straight to the engine replicas, ``deploy/direct_app.py``):
 it runs the cluster and answers, routes a repeated prefix to the replica that caches it,
-and answers a bad body with the API's 400 (not the router's failure); then chaos through
+answers a bad body with the API's 400 (not the router's failure), and serves LoRA
+adapters with their own prefixes; then chaos through
 HTTP: it loses a replica process and then the router actor's process to SIGKILL while
 20 greedy streams run. The streams of the killed replica end with an error (on the
 direct path a stream's ingress is its replica: the composed path's resume is tested in
@@ -90,13 +91,27 @@ async def _run_all(url: str, during=None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_path):
-    """``kvroute serve`` with 2 replicas on a free port: (process, its output lines, url).
-    A test that stops it (the last one) leaves nothing for the teardown to do."""
+def adapters(tiny_llama_path, tmp_path_factory) -> dict[str, Path]:
+    """Two tiny random PEFT adapters: ``a`` loaded at start, ``c`` in the dynamic folder."""
+    from kvroute.benchmarks.lora_adapters import save_random_adapter
+    from kvroute.replica.checkpoint import load_hf_config
+    from kvroute.replica.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(load_hf_config(tiny_llama_path))
+    tmp = tmp_path_factory.mktemp("chaos-lora")
+    return {"a": save_random_adapter(tmp / "a", arch, rank=4, seed=41),
+            "c": save_random_adapter(tmp / "dynamic" / "c", arch, rank=4, seed=43)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_path, adapters):
+    """``kvroute serve`` with 2 replicas on a free port, LoRA on: (process, its output
+    lines, url). A test that stops it (the last one) leaves nothing for the teardown to do."""
     port = free_port()
     proc, lines = start_cli(
         ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", "--api-key", KEY, "--chat-template", "chatml_tools",
-         *ENGINE_ARGS],
+         *ENGINE_ARGS, "--enable-lora", "--lora-modules", f"a={adapters['a']}", "--max-loras", "2",
+         "--dynamic-lora-path", str(adapters["c"].parent)],
         "kvroute: ready",
     )
     try:
@@ -157,6 +172,44 @@ def test_structured_outputs_and_forced_tool_calls_take_the_direct_path(served):
     assert r.status_code == 200, r.text
     (call,) = r.json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "tag" and set(json.loads(call["function"]["arguments"])) == {"ids", "ok"}
+
+
+def test_lora_adapters_take_the_direct_path(served, adapters, tiny_llama_path):
+    """``model`` names an adapter (loaded at start, or from the dynamic folder on first
+    use, also as ``<base>:<adapter>``): its greedy text is the offline engine's with that
+    adapter, and its prefix is its own in the router's hashes, so an adapter's repeated
+    prompt goes where that adapter cached it."""
+    from kvroute.replica.llm import LLM
+    from kvroute.replica.sampling_params import SamplingParams
+
+    _, _, url = served
+    prompt = "The lighthouse keeper wrote down every ship that passed the northern rocks at dawn"
+    llm = LLM(str(tiny_llama_path), block_size=8, num_kv_blocks=64, max_model_len=512, dtype="float32", enable_lora=True,
+              max_loras=2)  # fmt: skip
+    for name, path in adapters.items():
+        llm.load_lora(name, path)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ids = llm.tokenizer.encode(prompt)
+    offline = {name: llm.generate(ids, params, use_tqdm=False, lora_name=name)[0].text for name in (None, "a", "c")}
+    assert len(set(offline.values())) == 3, offline
+    base = str(tiny_llama_path)
+
+    def complete(model: str, text: str = prompt) -> dict:
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": text, "max_tokens": 6, "temperature": 0},
+                       headers=AUTH, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert complete("a")["choices"][0]["text"] == offline["a"]
+    assert complete("c")["choices"][0]["text"] == offline["c"]  # loaded from the dynamic folder on first use
+    assert complete(f"{base}:c")["choices"][0]["text"] == offline["c"]
+    assert complete(base)["choices"][0]["text"] == offline[None]
+    shared = " ".join(f"tide{i}" for i in range(40))
+    cached = {m: [complete(m, f"{shared} {m} turn {t}")["usage"]["prompt_tokens_details"]["cached_tokens"] for t in range(3)]
+              for m in ("a", "c")}  # fmt: skip
+    assert all(c[0] == 0 and min(c[1:]) >= 40 for c in cached.values()), cached
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=60)
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"], r.text
 
 
 def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):

@@ -1,8 +1,9 @@
 """The Ray-cluster flow of docs/cluster.md, as a new user runs it: ``ray get-auth-token
---generate``, ``ray start --head``, then (in a
-shell with ``RAY_AUTH_MODE=token``, which Ray 2.60's token authentication needs)
-``serve run deploy/serve.yaml`` answering a completion and ``ray job submit`` of a small
-benchmark; then that cluster is stopped through its own processes (``ray stop`` would
+--generate``, ``ray start --head`` with the high-throughput path's variables set, then
+(in a shell with ``RAY_AUTH_MODE=token``, which Ray 2.60's token authentication needs)
+``serve run`` of deploy/serve.yaml with ``ingress.data_path: direct`` answering a
+completion through HAProxy and the ingress request router, and ``ray job submit`` of a
+small benchmark against it; then that cluster is stopped through its own processes (``ray stop`` would
 take every Ray cluster on the machine with it, the test session's own included). The
 same cluster (one start, module-scoped) also runs test_working_dir's real ``ray job
 submit --working-dir`` of a checkout copy."""
@@ -26,6 +27,7 @@ httpx = pytest.importorskip("httpx")
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray")
 
+from kvroute.deploy.serve_proxy import FAST_PATH_ENV  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.deploy.test_working_dir import SITE_PACKAGES, _copy_checkout  # noqa: E402
 
@@ -114,6 +116,7 @@ def _serve_config(model_path: Path, port: int) -> dict:
     llm = app["args"]["llm_configs"][0]
     llm["model_loading_config"] = {"model_id": "tiny", "model_source": str(model_path)}
     llm["engine_kwargs"] = {"block_size": 8, "num_kv_blocks": 128, "max_model_len": 256, "dtype": "float32"}
+    app["args"]["ingress"]["data_path"] = "direct"
     return config
 
 
@@ -129,6 +132,12 @@ def token_cluster():
     ports = {name: free_port() for name in ("gcs", "dashboard", "http", "client", "agent", "agent_grpc", "metrics", "env_agent")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env |= {"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # docs/cluster.md's three variables for the direct path, set before `ray start`; then
+    # HAProxy's side ports on free ones and a short drain (Ray's 30 s default deregistration
+    # window would make the application's deletion wait that long)
+    env |= FAST_PATH_ENV | {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+                            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3"}  # fmt: skip
     token = _run([str(BIN / "ray"), "get-auth-token", "--generate"], env, 60)
     assert token.returncode == 0, token.stderr
     try:
@@ -180,6 +189,10 @@ def test_ray_start_serve_run_job_submit_and_stop(tmp_path, tiny_llama_path, toke
             time.sleep(0.5)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        # the config's direct path: HAProxy asks the ingress request router, no OpenAIIngress hop
+        status = _run([str(BIN / "serve"), "status", "-a", f"http://127.0.0.1:{ports['dashboard']}"], client_env, 60)
+        assert status.returncode == 0 and "IngressRouter" in status.stdout, status.stdout + status.stderr
+        assert "OpenAIIngress" not in status.stdout, status.stdout
 
         result = tmp_path / "job.json"
         job = _run(
