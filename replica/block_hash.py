@@ -53,12 +53,17 @@ def root_hash(spec: HashSpec, cache_salt: str | None = None, lora_name: str | No
     return BlockHash(xxhash.xxh3_128_intdigest(data, spec.seed))
 
 
+def hash_packed(seed: int, parent: BlockHash, packed: bytes) -> BlockHash:
+    """Hash of one full block whose tokens are already packed as little-endian uint32
+    bytes, chained on its parent's hash: the one definition every block hash follows."""
+    return BlockHash(xxhash.xxh3_128_intdigest(int(parent).to_bytes(16, "little") + packed, seed))
+
+
 def hash_block(spec: HashSpec, parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     """Hash of one full block, chained on its parent's hash."""
     if len(tokens) != spec.block_size:
         raise ValueError(f"a block holds exactly {spec.block_size} tokens, got {len(tokens)}")
-    data = int(parent).to_bytes(16, "little") + np.asarray(tokens, dtype="<u4").tobytes()
-    return BlockHash(xxhash.xxh3_128_intdigest(data, spec.seed))
+    return hash_packed(spec.seed, parent, np.asarray(tokens, dtype="<u4").tobytes())
 
 
 def hash_blocks(
@@ -86,7 +91,6 @@ def hash_blocks(
     out: list[BlockHash] = []
     seed = spec.seed
     for i in range(start_block, len(token_ids) // bs):
-        chunk = raw[i * bs * 4 : (i + 1) * bs * 4]
-        parent = BlockHash(xxhash.xxh3_128_intdigest(int(parent).to_bytes(16, "little") + chunk, seed))
+        parent = hash_packed(seed, parent, raw[i * bs * 4 : (i + 1) * bs * 4])
         out.append(parent)
     return out

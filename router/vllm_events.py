@@ -54,9 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import msgpack
-from xxhash import xxh3_128_intdigest as _xxh3_128
 
-from kvroute.replica.block_hash import BlockHash, HashSpec, root_hash
+from kvroute.replica.block_hash import BlockHash, HashSpec, hash_packed, root_hash
 from kvroute.replica.kv_events import KVEvents
 
 VLLM_VERSION_READ = "0.32.0"
@@ -134,7 +133,7 @@ class WorkerCache:
     ``apply`` walks a decoded batch once, each event's blocks in one tight loop with
     the dicts it touches bound to locals: an event's token ids are packed into
     little-endian uint32 bytes once (not per block), each new block is one
-    ``xxh3_128`` of its parent's hash and its slice of them, root hashes are
+    ``hash_packed`` of its parent's hash and its slice of them, root hashes are
     memoized per (salt, adapter), and the net changes are two ordered sets per tier
     (stored, removed; disjoint), so a block costs a few dict operations and one hash
     call. ``take`` hands them out as the stream's next ``KVEvents``."""
@@ -217,8 +216,7 @@ class WorkerCache:
                     if parent_name is None:
                         self.counters.orphans += len(keys) - i
                         return
-                data = parent_name.to_bytes(16, "little") + raw[i * step : (i + 1) * step]  # hash_block's bytes
-                name = names[key] = BlockHash(_xxh3_128(data, seed))
+                name = names[key] = hash_packed(seed, parent_name, raw[i * step : (i + 1) * step])
                 refs[key] = 1  # a key no tier holds has no name (_remove forgets it)
                 if removed and name in removed:
                     del removed[name]
