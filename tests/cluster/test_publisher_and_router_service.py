@@ -161,12 +161,18 @@ def test_a_ranking_reports_the_router_process_cpu_use():
 
     svc = _service()
     svc.register("a", SPEC, 100, [], 0)
-    end = time.monotonic() + 1.5 * LOAD_SAMPLE_S
-    while time.monotonic() < end:  # this process busy: one core
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    end = wall0 + 1.5 * LOAD_SAMPLE_S
+    while time.monotonic() < end:  # this process busy: one core, or what a loaded box gives it
         svc.rank([BlockHash(11)], 5, ["a"])
-    assert svc.rank([BlockHash(11)], 5, ["a"]).router_load > 0.5
+    got = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    busy = svc.rank([BlockHash(11)], 5, ["a"]).router_load
+    assert busy > 0.6 * got and busy > 0.1, (busy, got)
     # other tests' threads may still run in this process: what they use while this one
-    # sleeps is measured beside the figure, which must not exceed it by much
+    # sleeps is measured beside the figure, which must not exceed it by much. (One sample
+    # first to close the interval that still holds the busy loop's tail.)
+    time.sleep(1.5 * LOAD_SAMPLE_S)
+    svc.rank([BlockHash(11)], 5, ["a"])
     cpu0, wall0 = time.process_time(), time.monotonic()
     time.sleep(1.5 * LOAD_SAMPLE_S)
     background = (time.process_time() - cpu0) / (time.monotonic() - wall0)
