@@ -67,7 +67,6 @@ _GROUPS: dict[str, str] = {
     "tests/deploy/test_cli.py": _SERIAL,
     "tests/benchmarks/test_data_path.py": _SERIAL,
     "tests/benchmarks/test_real_speed.py": _SERIAL,
-    "tests/benchmarks/test_soak.py": _SERIAL,
     "tests/benchmarks/test_router_cpu.py": _SERIAL,
     "tests/benchmarks/test_cpu_account.py": _SERIAL,
     "tests/benchmarks/test_cli.py": _SERIAL,

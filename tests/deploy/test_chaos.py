@@ -8,11 +8,14 @@ HTTP: it loses a replica process and then the router actor's process to SIGKILL 
 direct path a stream's ingress is its replica: the composed path's resume is tested in
 tests/cluster and tests/multinode), every other stream completes with the text of an
 undisturbed run, routing falls back until the router is back, and the service recovers;
-last, Ctrl-C stops it cleanly (exit 0)."""
+the recovered service then holds the soak benchmark's invariants on a short run
+(``kvroute bench soak --url``: this service, so the soak starts none of its own); last,
+Ctrl-C stops it cleanly (exit 0)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -33,6 +36,7 @@ MAX_TOKENS = 96
 KEY = "chaos-key"  # the service runs with an API key: on the direct path each replica checks it
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "1024", "--max-model-len", "512"]
+MAX_BODY_BYTES = 65536  # the soak's over-limit body is a little larger
 
 
 def _pids(url: str) -> dict[str, list[int]]:
@@ -111,7 +115,7 @@ def served(tiny_llama_path, adapters):
     proc, lines = start_cli(
         ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--replicas", "2", "--api-key", KEY, "--chat-template", "chatml_tools",
          *ENGINE_ARGS, "--enable-lora", "--lora-modules", f"a={adapters['a']}", "--max-loras", "2",
-         "--dynamic-lora-path", str(adapters["c"].parent)],
+         "--dynamic-lora-path", str(adapters["c"].parent), "--max-body-bytes", str(MAX_BODY_BYTES)],
         "kvroute: ready",
     )
     try:
@@ -263,8 +267,43 @@ def test_streams_survive_sigkill_of_a_replica_and_of_the_router(served):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_short_soak_holds_its_invariants(served, tmp_path, capsys, monkeypatch):
+    """The soak benchmark's invariants on a short run against this service (not its
+    speed): every kind sent, no unexpected status, counts that add up, the hostile
+    bodies' 4xx, the service idle afterwards, and RSS figures for every process. (How the
+    soak starts a service of its own: tests/benchmarks/test_soak.py.)"""
+    from kvroute.benchmarks import soak
+    from kvroute.benchmarks.cli import main as bench
+
+    class KeyedHttpx:  # the soak's httpx, whose clients send this service's API key
+        AsyncClient = functools.partial(httpx.AsyncClient, headers=AUTH)
+
+        def __getattr__(self, name: str):
+            return getattr(httpx, name)
+
+    monkeypatch.setattr(soak, "httpx", KeyedHttpx())
+    _, _, url = served
+    out = tmp_path / "soak.json"
+    rc = bench(["soak", "--url", url, "--minutes", "0.1", "--concurrency", "3", "--max-tokens", "8",
+                "--max-body-bytes", str(MAX_BODY_BYTES), "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert rc == 0, result["unexpected_examples"]
+    assert result["unexpected"] == 0 and result["idle"]["ok"]
+    assert set(result["by_kind"]) == set(soak._kinds(8, MAX_BODY_BYTES))  # every kind was sent
+    assert sum(result["by_status"].values()) == result["requests"] == sum(result["by_kind"].values())
+    assert sum(w["requests"] for w in result["windows"]) == result["requests"]
+    assert result["by_status"].get("413", 0) == result["by_kind"]["over_limit"]
+    hostile_400 = sum(result["by_kind"][k] for k in ("surrogate", "bad_json", "wrong_type", "oov_ids"))
+    assert result["by_status"].get("400", 0) == hostile_400
+    roles = {k.split(":")[0] for k in result["windows"][-1]["rss_mib"]}
+    assert roles == {"replica", "router", "http"} and len(result["windows"][-1]["kv_usage"]) == 2
+    assert set(result["rss_growth_mib"]) == set(result["windows"][0]["rss_mib"])
+    assert result["ttft_p99_s"] is not None
+    assert "soak: 0.1 min" in capsys.readouterr().out
+
+
 def test_serve_command_stops_on_ctrl_c(served):
-    """After all of the above (a replica and the router killed and replaced)."""
+    """After all of the above (a replica and the router killed and replaced, the soak)."""
     proc, lines, _ = served
     haproxies = serve_proxy.haproxy_pids(proc.pid)
     assert haproxies
