@@ -24,6 +24,7 @@ transformers meaningless; at 0.2 32 greedy tokens are varied for all three.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,6 +33,25 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _threads_per_worker() -> int | None:
+    """Torch's threads in each pytest-xdist worker when several share the machine: its
+    CPUs split between them (None: one process alone, or OMP_NUM_THREADS set outside).
+    Each torch otherwise takes every core, and two OpenMP pools spinning on 2 cores slow
+    both several times over (an engine test at 43 s beside another worker instead of 11)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+# Set before this worker imports torch, which reads it once; what it starts inherits it
+# (an engine replica sets its own threads: ClusterConfig.torch_threads).
+if (_THREADS := _threads_per_worker()) is not None:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_THREADS)
 
 TINY_INITIALIZER_RANGE = 0.2
 TINY_SHAPE: dict[str, Any] = {

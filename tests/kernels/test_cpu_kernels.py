@@ -39,6 +39,19 @@ def paged_attention_cpu(*args):
 ULP = 1e-2  # one bf16 ulp of values of order 1 (relative 2^-7)
 
 
+@pytest.fixture(autouse=True)
+def two_threads_at_least() -> Iterator[None]:
+    """At least two torch threads, whatever tests/conftest.py gave this pytest-xdist
+    worker: the C kernels split rows and heads over torch's threads, and the shapes
+    marked "the threaded path" test that split."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(params=["native", "avx2", "default"])
 def native_build(request: pytest.FixtureRequest) -> Iterator[None]:
     """The C kernels built for the capability the run started with, and for AVX2 and the
