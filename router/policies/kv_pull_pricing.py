@@ -16,10 +16,13 @@ or will hold (pending included)::
                 + ceil((queued_r + n − cached'_r) / step_tokens) × interference_r
 
 The pull and the queue overlap: the replica pulls first and queues the request once
-the prefix is cached, while its queue drains. ``r`` takes the pull where ``ttft'_r`` is
-below its recompute TTFT; the policy then compares that TTFT with every other
-candidate's, so a busy owner keeps the request only while waiting there beats a pull
-elsewhere (within the owner's slack: ``router/POLICIES.md``).
+the prefix is cached, while its queue drains. With ``kv_room`` a candidate pulls only
+where the copy and the request fit beside its running answers (``copy_room``: free KV
+less its queued prefills less what those answers still decode); else the copied blocks
+would take the KV its running answers need next, and the engine preempts one. ``r``
+takes the pull where ``ttft'_r`` is below its recompute TTFT; the policy then compares
+that TTFT with every other candidate's, so a busy owner keeps the request only while
+waiting there beats a pull elsewhere (within the owner's slack: ``router/POLICIES.md``).
 
 Bandwidth and setup are what the replicas report (``LoadFigures.pull_bytes_per_s``,
 measured from their pulls or their emulation profile's; ``pull_setup_s``): a candidate
@@ -62,12 +65,13 @@ class PullPricing:
     candidate's TTFT with a pull (``lower_bound``) for the policy's owner shortcut."""
 
     def __init__(self, default_bytes_per_s: float = DEFAULT_PULL_BYTES_PER_S,
-                 default_setup_s: float = DEFAULT_PULL_SETUP_S) -> None:  # fmt: skip
+                 default_setup_s: float = DEFAULT_PULL_SETUP_S, kv_room: bool = False) -> None:  # fmt: skip
         if default_bytes_per_s <= 0 or default_setup_s < 0:
             raise ValueError(f"need default_pull_bytes_per_s > 0 and default_pull_setup_s >= 0, got "
                              f"{default_bytes_per_s!r}, {default_setup_s!r}")  # fmt: skip
         self.default_bytes_per_s = float(default_bytes_per_s)
         self.default_setup_s = float(default_setup_s)
+        self.kv_room = bool(kv_room)  # pull only where the copy fits beside the running answers
 
     @staticmethod
     def possible(table: CandidateTable) -> Figures | None:
@@ -108,9 +112,12 @@ class PullPricing:
         setup_default = sum(timed) / len(timed) if timed else self.default_setup_s
         cached = min(top * block_size, max(n - 1, 0))
         own = n - cached
+        room = copy_room(table, block_size) if self.kv_room else None
         out: dict[int, PullOffer] = {}
         for i, d in enumerate(depth):
             if d >= top or not sizes[i]:
+                continue
+            if room is not None and room[i] < (top - d) * block_size + own:  # takes its running answers' KV
                 continue
             sources = [h for h in holders if sizes[h] == sizes[i]]
             if not sources:
@@ -123,3 +130,18 @@ class PullPricing:
             if ttft < recompute[i]:
                 out[i] = PullOffer(src, cached, blocks, seconds, ttft, top)
         return out
+
+
+def copy_room(table: CandidateTable, block_size: int) -> list[float]:
+    """Per candidate: the tokens of KV a copy may take there without pushing out a running
+    answer. Its free blocks, less its queued prefills, less what its ``r`` running
+    answers still decode: the one nearest its end has ``left = release_s / decode_step``
+    tokens to go, and with ``r`` answers spread evenly over their length the mean one
+    has ``(r + 1) / 2`` times that, so they grow by ``r (r + 1) / 2 × left`` tokens."""
+    n = len(table.free_blocks)
+    release_s = table.release()[0] if table.release is not None else [0.0] * n
+    out = []
+    for f, q, r, step, rs in zip(table.free_blocks, table.queued, table.running, table.decode_step, release_s):
+        grow = r * (r + 1) / 2 * rs / step if r and step and rs else 0.0
+        out.append(f * block_size - q - grow)
+    return out

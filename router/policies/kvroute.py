@@ -32,8 +32,10 @@ candidate has a queue), and the longest eligible prefix wins. With no owner elig
 a new prefix goes to the roomiest cache among the near-best, then (where that one must
 evict) the one serving the fewest live prefixes, anything else to ``best``.
 With ``pulls``, a candidate whose recompute a pull of the deepest match from its least
-loaded holder beats takes the pull's TTFT instead (``kv_pull_pricing.py``), and a
-decision placing the request there names the source (``pull_from``, ``pull_tokens``).
+loaded holder beats (with ``pull_kv_room``: and whose free KV less its queued prefills
+and its running answers' growth holds the copy and the rest) takes the pull's TTFT
+instead (``kv_pull_pricing.py``), and a decision placing the request there names the
+source (``pull_from``, ``pull_tokens``).
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
 another holds), ``load`` (a shorter one), ``pull``. Why each rule: ``router/POLICIES.md``.
 """
@@ -91,6 +93,7 @@ class KVRoutePolicy(Policy):
         pulls: bool = True,
         default_pull_bytes_per_s: float = DEFAULT_PULL_BYTES_PER_S,
         default_pull_setup_s: float = DEFAULT_PULL_SETUP_S,
+        pull_kv_room: bool = False,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -126,7 +129,8 @@ class KVRoutePolicy(Policy):
         self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
         self.reuse = ReuseValue(reuse_half_life, max_reuse)
         self.live = LivePrefixes(live_horizon) if balance_prefixes else None  # new prefixes: the fewest live first
-        pricing = PullPricing(default_pull_bytes_per_s, default_pull_setup_s)  # (checks the defaults either way)
+        # (checks the defaults either way); pull_kv_room: a pull only where the copy fits beside running answers
+        pricing = PullPricing(default_pull_bytes_per_s, default_pull_setup_s, pull_kv_room)
         self.pulls = pricing if pulls else None  # move a held prefix where that beats recomputing it
 
     def fallback_rates(self, loads: list[ReplicaLoad]) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import pytest
 
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.kv_events import KVEvents, LoadFigures
-from kvroute.router.policies.kv_pull_pricing import PullPricing
+from kvroute.router.policies.kv_pull_pricing import PullPricing, copy_room
 from kvroute.router.router import Router
 from kvroute.router.types import RouteDecision
 
@@ -105,3 +105,25 @@ def test_the_decision_is_frozen_and_completed_by_copies():
         d.ticket = 3  # type: ignore[misc]
     e = dataclasses.replace(d, ticket=3, fallbacks=("c",))
     assert (e.ticket, e.order, e.pull_from, e.pull_tokens) == (3, ["a", "c"], "b", 32) and d.ticket == 0
+
+
+def test_a_pull_into_a_replica_whose_running_answers_need_its_free_kv_goes_to_a_roomier_one():
+    # c has 200 free blocks (3,200 tokens): the 2,040-token request fits them now, but its
+    # 10 running answers still decode: the one nearest its end 200 tokens (4 s at 20 ms a
+    # step), so all ten about 10 × 5.5 × 200 = 11,000: the copy would take KV they need
+    # (preempting one). d is idle, with a short queue: it pulls instead.
+    short = dict(num_running=10, kv_usage=1 - 200 / 4096, release_s=4.0)
+    loads = {"a": _load(8_000, 4, **FAST), "c": dataclasses.replace(_load(**FAST), **short), "d": _load(400, 1, **FAST)}
+    d = _router(loads, {"a": 125}, pull_kv_room=True).route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("d", "pull", "a")
+    assert _router(loads, {"a": 125}).route(H, len(PROMPT)).replica_id == "c"  # the option off: c pulls (as before)
+    # the same c without running answers takes the pull (it is the fastest)
+    loads["c"] = dataclasses.replace(_load(**FAST), kv_usage=1 - 200 / 4096)
+    d = _router(loads, {"a": 125}, pull_kv_room=True).route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("c", "pull", "a")
+
+
+def test_copy_room_is_free_kv_less_queued_prefills_less_the_running_answers_growth():
+    c = dataclasses.replace(_load(**FAST), num_running=4, kv_usage=0.5, release_s=1.0)  # 50 tokens to its first end
+    table = _router({"a": _load(800, 1, **FAST), "c": c}, {"a": 125}).candidate_table(H, ["a", "c"])
+    assert copy_room(table, 16) == [4096 * 16 - 800, 2048 * 16 - 4 * 2.5 * 50]
