@@ -8,12 +8,12 @@ argument (``ROUTE_ARG``), and the replica answers with a ``FirstDelta`` that car
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.outputs import TokenDelta
 from kvroute.replica.sampling_params import SamplingParams
-from kvroute.router.types import RouteOutcome
+from kvroute.router.types import RouteDecision, RouteOutcome
 
 ROUTER_NAMESPACE = "kvroute"  # Ray namespace of the router actors
 
@@ -80,3 +80,20 @@ class OverloadedError(RuntimeError):
 class ReplicaUnavailableError(RuntimeError):
     """A request could not be served: its replicas kept dying past the retry budget,
     or no replica came up in time. The HTTP layer answers 503."""
+
+
+class RouteSlot:
+    """Where the decision of a ``handle.choose_replica`` call lands: Serve keeps the
+    call's keyword arguments to itself, so a caller that chooses without dispatching
+    (the direct path's ingress request router) passes one of these among the arguments
+    and reads the decision the ranker made from it. Its ``follower``, when it has one
+    (``router_follow.RouterFollower``), decides in this process while it is ready,
+    instead of a ``rank`` call to a router actor. It lives here, not beside the
+    request router: Serve loads the request router's module a second time, and an
+    ``isinstance`` against that copy's class never matches the caller's instance."""
+
+    __slots__ = ("decision", "follower")
+
+    def __init__(self, follower: Any = None) -> None:
+        self.decision: RouteDecision | None = None
+        self.follower = follower

@@ -24,6 +24,7 @@ from kvroute.cluster.router_choice import RouterChoice
 from kvroute.router.types import RouteDecision
 
 Ask = Callable[[int, GenerateRequest, list[str]], Awaitable[RouteDecision]]
+Local = Callable[[Sequence[Any], int, list[str], "str | None"], "RouteDecision | None"]
 
 
 class Ranker:
@@ -32,19 +33,24 @@ class Ranker:
         self._choice = choice
         self._ask = ask
         self._on_fallback = on_fallback
-        self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0}
+        self.stats = {"ranked": 0, "fallbacks": 0, "reused_rankings": 0, "decided_here": 0}
 
     async def order(
-        self, call: MutableMapping[str, Any], request: GenerateRequest, candidates: Sequence[str]
+        self, call: MutableMapping[str, Any], request: GenerateRequest, candidates: Sequence[str],
+        local: Local | None = None,
     ) -> list[str] | None:
         """``candidates`` best first for the call whose keyword arguments are ``call``
         (its decision made now, or the one it holds), or None to fall back (no router
-        answered, or none of the ranked replicas is still a candidate)."""
+        answered, or none of the ranked replicas is still a candidate). ``local``: a
+        router in this process (``router_follow.RouterFollower.rank``), asked first."""
         decision = call.get(ROUTE_ARG)
         if decision is not None and decision.replica_id is not None:
             self.stats["reused_rankings"] += 1
         else:
-            decision = call[ROUTE_ARG] = await self.decide(request, list(candidates))
+            here = None if local is None else local(request.block_hashes, request.num_tokens, list(candidates), request.lora_name)
+            if here is not None:
+                self.stats["decided_here"] += 1
+            decision = call[ROUTE_ARG] = here or await self.decide(request, list(candidates))
         present = set(candidates)
         return [rid for rid in decision.order if rid in present] or None
 

@@ -33,7 +33,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, ReplicaCall, ReplicaUnavailableError, RouteSlot
 from kvroute.cluster.ranker import ROUTE_ARG, Ranker
 from kvroute.cluster.router_choice import RouterChoice
 from kvroute.router.types import RouteDecision
@@ -50,18 +50,6 @@ def _arg_of(pending: Optional[PendingRequest], kind: type) -> Any:
         if isinstance(arg, kind):
             return arg
     return None
-
-
-class RouteSlot:
-    """Where the decision of a ``handle.choose_replica`` call lands: Serve keeps the
-    call's keyword arguments to itself, so a caller that chooses without dispatching
-    (the direct path's ingress request router) passes one of these among the arguments
-    and reads the decision the ranker made from it."""
-
-    __slots__ = ("decision",)
-
-    def __init__(self) -> None:
-        self.decision: RouteDecision | None = None
 
 
 class KVRouteRequestRouter(RequestRouter):
@@ -119,8 +107,9 @@ class KVRouteRequestRouter(RequestRouter):
         if request is None:
             return self._power_of_two(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = await self._ranker.order(pending_request.kwargs, request, list(by_id))
         slot = _arg_of(pending_request, RouteSlot)
+        local = None if slot is None or slot.follower is None else slot.follower.rank
+        order = await self._ranker.order(pending_request.kwargs, request, list(by_id), local)
         if slot is not None:
             slot.decision = pending_request.kwargs.get(ROUTE_ARG)
         if order is None:

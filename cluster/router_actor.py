@@ -37,6 +37,7 @@ from kvroute.router.types import RouteDecision
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import ROUTER_NAMESPACE
+from kvroute.cluster.router_follow import ChangeLog, Reply
 from kvroute.cluster.router_choice import LOAD_SAMPLE_S
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class RouterService:
         self._load, self._load_at, self._load_cpu = 0.0, time.monotonic(), time.process_time()
         self.last_call = time.monotonic()  # the last call of a replica, worker pool or ingress
         self.refused: dict[str, str] = {}  # replica id -> why its registration was refused
+        self.changes = ChangeLog(clock)  # what followers replay (``router_follow.py``)
 
     def reset(self, policy: str | None = None, policy_kwargs: dict[str, Any] | None = None) -> None:
         """Start over with an empty directory (and optionally another policy): every
@@ -96,6 +98,7 @@ class RouterService:
         self._metrics.clear()
         self._staleness_s.clear()
         self._ingresses.clear()
+        self.changes.restart()
 
     # ------------------------------------------------------------------ replicas
     def register(
@@ -125,6 +128,8 @@ class RouterService:
         if replica_id not in self.router.directory:
             self.router.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
         self.router.apply_snapshot(replica_id, block_hashes, seq, load, host_hashes)
+        self.changes.record("reg", replica_id, capacity_blocks, host_capacity_blocks, list(block_hashes),
+                            list(host_hashes), seq, load)  # fmt: skip
         self._last_seen[replica_id] = self.clock()
         self.counters["registrations"] += 1
 
@@ -140,6 +145,7 @@ class RouterService:
         if rid not in self.router.directory:
             return False
         self._last_seen[rid] = self.clock()
+        self.changes.record("push", batch)
         if not self.router.apply(batch):
             return False
         if self.standby_push_s > 0 and self.clock() - self._last_rank >= ACTIVE_S:
@@ -152,6 +158,7 @@ class RouterService:
         self.last_call = time.monotonic()
         if not self.router.report_load(replica_id, load):
             return False
+        self.changes.record("load", replica_id, load)
         self._last_seen[replica_id] = self.clock()
         return True
 
@@ -161,6 +168,7 @@ class RouterService:
         if replica_id not in self.router.directory:
             return False
         self.router.remove_replica(replica_id)
+        self.changes.record("remove", replica_id)
         self.counters["removed_replicas"] += 1
         return True
 
@@ -254,14 +262,38 @@ class RouterService:
 
         threading.Thread(target=loop, name="kvroute-peer-flush", daemon=True).start()
 
-    def note_peer_decisions(self, batch: list[PeerDecision]) -> int:
-        """Apply another router's decisions; returns how many named a known replica."""
+    def note_peer_decisions(self, batch: list[PeerDecision], source: str | None = None) -> int:
+        """Apply another router's (or follower ``source``'s) decisions; returns how many
+        named a known replica."""
         self._flush_peers()
+        self.changes.record("peer", source, batch)
         now, applied = time.time(), 0
         for replica_id, hashes, num_tokens, ticket, sent, lora_name in batch:
             applied += self.router.note_routed(replica_id, hashes, num_tokens, ticket, lora_name)
             self._staleness_s.append(max(now - sent, 0.0))
         return applied
+
+    def follow(self, follower_id: str, epoch: str | None, seq: int, decisions: list[PeerDecision],
+               counts: tuple[dict[str, int], dict[str, int]]) -> Reply:  # fmt: skip
+        """A follower's call (``router_follow.py``): apply and share the decisions it took
+        since its last call (counted as this router's), then answer the changes after its
+        cursor, or the registrations to start over from."""
+        self.last_call = time.monotonic()
+        self._last_rank = self.clock()  # its followers decide for it: not standing by
+        self._expire_silent()
+        if decisions:
+            self.note_peer_decisions(decisions, follower_id)
+            self.router.count_decisions(*counts)
+            if self._share is not None:
+                self._outbox.extend(decisions)
+                self._flush_peers()
+                if self._outbox:
+                    self._queued.set()
+        ops = self.changes.since(epoch, seq)
+        if ops is not None:
+            return self.changes.epoch, self.changes.seq, ops, None
+        start = (self.policy, self.policy_kwargs, self.hash_spec.block_size, self.router.registrations())
+        return self.changes.epoch, self.changes.seq, [], start
 
     def _staleness(self) -> dict[str, float]:
         ages = sorted(self._staleness_s)
@@ -283,6 +315,7 @@ class RouterService:
         else:
             self.router.set_policy(policy, kwargs)
             self.policy, self.policy_kwargs = policy, kwargs
+            self.changes.restart()  # followers start over with the new policy
         log.warning("router now routes with policy %s %s", policy, kwargs)
         return True
 
@@ -305,6 +338,7 @@ class RouterService:
             **self.router.stats(),
             **self.counters,
             "peer_staleness_ms": self._staleness(),
+            "followed_changes": self.changes.seq,
             "cpu_load": round(self.load(), 4),
             "uptime_s": self.clock() - self.started_at,
             "process": process_figures(),

@@ -10,9 +10,11 @@ Here a body becomes the tokens the replica will run: the chat template and token
 of the replica's own serving code (chat, completions, Anthropic messages, and Responses
 with the stored conversation a ``previous_response_id`` continues), hashed into the
 prompt's full blocks under the cluster's ``HashSpec``. The engine deployment's kvroute
-request router then ranks the replicas with them exactly as on the composed path
-(one ``rank`` call to a router actor) and Serve names the first that has room. The
-decision goes to the replica in one header (``deploy/direct_route.py``).
+request router then ranks the replicas with them, in this process: the deployment
+keeps a ``RouterFollower`` (``cluster/router_follow.py``) in step with the router
+actors, one call every 50 ms whatever the request rate, and asks them per request only
+while the follower is not ready. Serve names the first ranked replica that has room.
+The decision goes to the replica in one header (``deploy/direct_route.py``).
 
 No body is refused here: what cannot be read (truncated, not JSON, a field the API
 refuses) is placed by load alone, and the replica answers it with the API's own error,
@@ -32,8 +34,8 @@ from pydantic import ValidationError
 from ray import serve
 
 from kvroute.cluster.config import ClusterConfig
-from kvroute.cluster.messages import GenerateRequest
-from kvroute.cluster.request_router import RouteSlot
+from kvroute.cluster.messages import ROUTER_NAMESPACE, GenerateRequest, RouteSlot
+from kvroute.cluster.router_follow import RouterFollower, follow_forever
 from kvroute.cluster.response_store_actor import RemoteResponseStore, get_or_create_response_store
 from kvroute.deploy.app_config import ingress_limits, parse_args
 from kvroute.deploy.direct_route import ROUTE_HEADER, encode_route
@@ -173,7 +175,11 @@ class IngressRouter:
         self.prompts = RoutePrompts(serving, store, config.hash_spec.block_size)
         self.hash_spec = config.hash_spec
         self.handle = server
-        self.counts = {"routed": 0, "by_load": 0}
+        self.counts = {"routed": 0, "by_load": 0, "decided": 0}
+        self.follower = RouterFollower()
+        self._following = asyncio.get_running_loop().create_task(
+            follow_forever(self.follower, config.router_actor_names, ROUTER_NAMESPACE)
+        )
 
     @router_api.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
@@ -185,14 +191,15 @@ class IngressRouter:
         call = GenerateRequest(request_id=uuid.uuid4().hex, token_ids=ids, params=_NO_PARAMS,
                                block_hashes=hash_blocks(self.hash_spec, ids, salt, lora_name=lora), cache_salt=salt,
                                lora_name=lora)  # fmt: skip
-        slot = RouteSlot()
+        slot = RouteSlot(self.follower)
         async with self.handle.choose_replica(call, slot, _reserve=False) as selection:
             replica_id = selection._replica.replica_id.to_full_id_str()
         answer: dict[str, Any] = {"replica_id": replica_id}
+        self.counts["decided"] += slot.decision is not None
         if slot.decision is not None:
             answer["request_headers"] = {ROUTE_HEADER: encode_route(slot.decision)}
         return answer
 
     @router_api.get("/health")
     async def health(self) -> dict[str, Any]:
-        return {"status": "ok", **self.counts}
+        return {"status": "ok", **self.counts, "follower": {"ready": self.follower.ready(), **self.follower.stats}}

@@ -230,6 +230,11 @@ class Router:
         self._peer_decisions += 1
         return True
 
+    def count_decisions(self, reasons: dict[str, int], routed_to: dict[str, int]) -> None:
+        """Count decisions this router's followers took in its name (``stats``)."""
+        self._reasons.update(reasons)
+        self._routed_to.update(routed_to)
+
     # ------------------------------------------------------------------ the fleet's changes
     def warmup_plan(self, replica_id: str, k: int = 8, max_blocks: int = 1024) -> list[Move]:
         """The hot prefixes a joining ``replica_id`` should pull first, each with a source
@@ -345,6 +350,18 @@ class Router:
             "events_unknown_replica": self._events_unknown,
             "block_updates": self._block_updates,
         }
+
+    def registrations(self) -> list[tuple[Any, ...]]:
+        """Each replica as a ``register`` would add it again: (id, capacity, host tier
+        capacity, confirmed hashes, host hashes, last event seq, load figures), entries
+        least recently touched first. Pending runs are left out (they expire anyway)."""
+        out = []
+        for rid in self.directory.replicas():
+            rep = self.directory._get(rid)
+            host_capacity = 0 if rep.host is None else rep.host.capacity
+            out.append((str(rid), rep.confirmed.capacity, host_capacity, self.directory.confirmed(rid),
+                        self.directory.host_confirmed(rid), rep.confirmed.last_seq, self.loads.figures(rid)))  # fmt: skip
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-serializable state (directory + last load figures) for ``restore``."""

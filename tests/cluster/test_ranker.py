@@ -53,7 +53,7 @@ def test_the_decision_goes_with_the_call_and_a_reroute_reuses_it():
     assert decision.ticket > 0 and decision.order == ["b", "a"]
     # Serve routes the same call again (b was full): its decision is reused, not asked
     assert asyncio.run(ranker.order(call, request(), ["a", "b"])) == ["b", "a"]
-    assert asked == [2] and ranker.stats == {"ranked": 1, "fallbacks": 0, "reused_rankings": 1}
+    assert asked == [2] and ranker.stats == {"ranked": 1, "fallbacks": 0, "reused_rankings": 1, "decided_here": 0}
     assert call[ROUTE_ARG] is decision
     # Serve sent it to a: the outcome says so, without b's prediction
     outcome = RouteOutcome("a", decision)
@@ -110,3 +110,20 @@ def test_a_decision_says_which_routers_it_went_past():
     lost: dict = {}
     assert asyncio.run(none.order(lost, request(), ["a", "b"])) is None
     assert (lost[ROUTE_ARG].reason, lost[ROUTE_ARG].failovers) == ("fallback", 1)
+
+
+def test_a_router_in_this_process_decides_first_and_the_actors_only_when_it_cannot():
+    from kvroute.cluster.router_follow import RouterFollower
+
+    actor = service()
+    ranker, asked, _ = ranker_over(actor)
+    follower = RouterFollower()
+    call: dict = {}
+    # not synced yet: the router actor answers
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"], follower.rank)) == ["b", "a"]
+    assert asked == [2] and ranker.stats["decided_here"] == 0
+    follower.apply(actor.follow(*follower.request()))
+    call = {}
+    assert asyncio.run(ranker.order(call, request(), ["a", "b"], follower.rank)) == ["b", "a"]
+    assert asked == [2] and ranker.stats == {"ranked": 1, "fallbacks": 0, "reused_rankings": 0, "decided_here": 1}
+    assert (call[ROUTE_ARG].replica_id, call[ROUTE_ARG].expected_cached_tokens) == ("b", 5 * 16)

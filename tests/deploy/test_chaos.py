@@ -148,7 +148,9 @@ def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_
         r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-    assert cached[0] == 0 and min(cached[1:]) >= 60, cached
+    # the first turn may reuse only the template's head that every chat shares (cached by
+    # the test before); the turns after it reuse the ledger prefix too
+    assert cached[0] < 60 and min(cached[1:]) >= 60 + cached[0], cached
     # what the router cannot read is placed by load; the replica answers with the API's error
     r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
