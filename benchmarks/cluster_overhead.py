@@ -99,7 +99,7 @@ def _e2e_part(args: argparse.Namespace) -> dict[str, Any]:
     from kvroute.cluster.client import KVRouteClient
     from kvroute.cluster.config import ClusterConfig
     from kvroute.cluster.replica_deployment import build_engine_deployment
-    from kvroute.cluster.router_actor import kill_router_actor
+    from kvroute.cluster.router_lookup import kill_router_actor
     from kvroute.replica.config import EngineConfig
     from kvroute.replica.sampling_params import SamplingParams
 

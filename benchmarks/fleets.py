@@ -319,7 +319,7 @@ class ServeFleet:
 
         decided = [sum(s["decisions_by_reason"].values()) for s in ray.get([a.stats.remote() for a in self.router_actors()])]
         name = self.config.router_actor_names[decided.index(max(decided))]
-        from kvroute.cluster.router_actor import kill_router_actor
+        from kvroute.cluster.router_lookup import kill_router_actor
 
         kill_router_actor(name)
         self._control, self._changed = None, True  # the next run starts clean, every router anew
@@ -361,7 +361,7 @@ class ServeFleet:
     def close(self) -> None:
         from ray import serve
 
-        from kvroute.cluster.router_actor import kill_router_actors
+        from kvroute.cluster.router_lookup import kill_router_actors
 
         try:
             running = serve.status().applications

@@ -33,7 +33,7 @@ from kvroute.benchmarks.common import write_result
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import FirstDelta, GenerateRequest, ReplicaCall
 from kvroute.cluster.replica_deployment import build_engine_deployment, replica_version
-from kvroute.cluster.router_actor import kill_router_actor
+from kvroute.cluster.router_lookup import kill_router_actor
 from kvroute.replica.block_hash import hash_blocks
 from kvroute.replica.config import EngineConfig
 from kvroute.replica.sampling_params import SamplingParams

@@ -315,7 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from kvroute.cluster.router_actor import kill_router_actors
+    from kvroute.cluster.router_lookup import kill_router_actors
     from kvroute.deploy.app import build_app
     from kvroute.deploy.replica_gpus import local_gpu_count
 

@@ -303,7 +303,7 @@ def end_serve_app(name: str) -> None:
     lets another application take its route prefix while this one is DELETING."""
     from ray import serve
 
-    from kvroute.cluster.router_actor import kill_router_actors
+    from kvroute.cluster.router_lookup import kill_router_actors
 
     serve.delete(name, _blocking=False)
     kill_router_actors(name)

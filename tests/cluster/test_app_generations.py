@@ -15,13 +15,8 @@ ray = pytest.importorskip("ray")
 
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.messages import ROUTER_NAMESPACE  # noqa: E402
-from kvroute.cluster.router_actor import (  # noqa: E402
-    RouterService,
-    app_router,
-    app_router_names,
-    get_or_create_router_actors,
-    kill_router_actors,
-)
+from kvroute.cluster.router_actor import RouterService, get_or_create_router_actors  # noqa: E402
+from kvroute.cluster.router_lookup import app_router, app_router_names, kill_router_actors  # noqa: E402
 from kvroute.replica.block_hash import BlockHash, HashSpec  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.messages import ROUTER_NAMESPACE, OverloadedError, ReplicaCall, ReplicaUnavailableError  # noqa: E402
 from kvroute.cluster.replica_deployment import build_engine_deployment  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import kill_router_actor  # noqa: E402
 from kvroute.replica.block_hash import hash_blocks  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
 
@@ -315,7 +315,7 @@ def test_two_active_routers_share_one_view_and_a_dead_one_fails_over(ray_cluster
     decision made by one reaches the other; killing the router this process asks first
     mid-load fails no request and sends none to power of two (the other router ranks
     every later one), and prefix routing goes on there."""
-    from kvroute.cluster.router_actor import kill_router_actors
+    from kvroute.cluster.router_lookup import kill_router_actors
 
     name = "kvtest-routers"
     config = _config(tiny_llama_path, app_name=name, num_routers=2).with_random_hash_seed()

@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
 from kvroute.cluster.messages import ROUTER_NAMESPACE, FirstDelta, GenerateRequest, ReplicaCall  # noqa: E402
 from kvroute.cluster.replica_deployment import build_engine_deployment, replica_version  # noqa: E402
-from kvroute.cluster.router_actor import kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import kill_router_actor  # noqa: E402
 from kvroute.replica.block_hash import hash_blocks  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402
 from kvroute.router.types import RouteDecision  # noqa: E402

@@ -7,7 +7,8 @@ import time
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.kv_subscriber import KVEventSubscriber
-from kvroute.cluster.router_actor import get_or_create_router_actors, kill_router_actors
+from kvroute.cluster.router_actor import get_or_create_router_actors
+from kvroute.cluster.router_lookup import kill_router_actors
 from kvroute.replica.block_hash import hash_blocks
 from kvroute.router import vllm_events as wire
 from tests.cluster.conftest import ray, tiny_engine, wait_until

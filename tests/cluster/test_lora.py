@@ -17,7 +17,7 @@ from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.lora import (
     ReplicaAdapters, delete_state, get_or_create_lora_registry, load_state, lora_registry_name,
 )
-from kvroute.cluster.router_actor import kill_router_actors
+from kvroute.cluster.router_lookup import kill_router_actors
 from kvroute.replica.async_engine import AsyncEngine
 from kvroute.replica.engine import Engine
 from kvroute.replica.sampling_params import SamplingParams

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 zmq = pytest.importorskip("zmq")
 
 from kvroute.cluster.config import ClusterConfig  # noqa: E402
-from kvroute.cluster.router_actor import get_or_create_router_actors, kill_router_actors  # noqa: E402
+from kvroute.cluster.router_actor import get_or_create_router_actors  # noqa: E402
+from kvroute.cluster.router_lookup import kill_router_actors  # noqa: E402
 from kvroute.cluster import worker_probe  # noqa: E402
 from kvroute.cluster.worker_pool import WorkerPool, get_or_create_worker_pool  # noqa: E402
 from kvroute.replica.config import EngineConfig  # noqa: E402

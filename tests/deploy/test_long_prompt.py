@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import end_serve_app, wait_until  # noqa: E402
 

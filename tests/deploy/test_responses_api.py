@@ -467,7 +467,7 @@ def test_any_ingress_of_the_serve_app_retrieves_and_continues_a_response(ray_clu
     from ray import serve
 
     from kvroute.cluster.response_store_actor import kill_response_store
-    from kvroute.cluster.router_actor import app_router
+    from kvroute.cluster.router_lookup import app_router
     from kvroute.deploy.app import build_app, compose_ingress_app
     from tests.conftest import end_serve_app, wait_until
 

@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
-from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from tests.conftest import end_serve_app, wait_until  # noqa: E402
 from tests.deploy import hostile  # noqa: E402

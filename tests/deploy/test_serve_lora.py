@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 from kvroute.benchmarks.lora_adapters import save_random_adapter  # noqa: E402
 from kvroute.cluster.client import KVRouteClient  # noqa: E402
 from kvroute.cluster.replica_deployment import replica_version  # noqa: E402
-from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import compose_app, parse_args  # noqa: E402
 from kvroute.replica.llm import LLM  # noqa: E402
 from kvroute.replica.sampling_params import SamplingParams  # noqa: E402

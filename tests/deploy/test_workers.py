@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from kvroute.cluster.router_actor import app_router, kill_router_actor  # noqa: E402
+from kvroute.cluster.router_lookup import app_router, kill_router_actor  # noqa: E402
 from kvroute.deploy.app import build_app, parse_args  # noqa: E402
 from kvroute.cluster.worker_load import parse_load  # noqa: E402
 from tests.conftest import end_serve_app, free_port, wait_until  # noqa: E402
