@@ -139,8 +139,19 @@ def test_serve_command_runs_the_cluster(served):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
 
 
+def _delivered(url: str) -> float:
+    """Cached prompt tokens of requests that arrived with the router's decision (the
+    replicas count a request without one as unpredicted, not here)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "kvroute:reuse_tokens"
+               for s in fam.samples if s.labels.get("figure") == "delivered")  # fmt: skip
+
+
 def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_apis_errors(served):
     _, _, url = served
+    delivered_before = _delivered(url)
     prefix = " ".join(f"ledger{i}" for i in range(60))
     cached = []
     for turn in range(4):  # each turn lands where the previous ones cached the prefix
@@ -151,6 +162,8 @@ def test_the_router_sends_a_repeated_prefix_to_its_cache_and_bad_bodies_get_the_
     # the first turn may reuse only the template's head that every chat shares (cached by
     # the test before); the turns after it reuse the ledger prefix too
     assert cached[0] < 60 and min(cached[1:]) >= 60 + cached[0], cached
+    # each turn reached its replica with the decision (HAProxy forwards the router's header)
+    wait_until(lambda: _delivered(url) - delivered_before >= sum(cached), 15, "the replicas' decision quality")
     # what the router cannot read is placed by load; the replica answers with the API's error
     r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
