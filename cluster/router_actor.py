@@ -229,8 +229,10 @@ class RouterService:
             self.counters["unregistered_routes"] += 1
             return RouteDecision(unknown[0], 0, "unregistered", fallbacks=unknown[1:], router_load=self.load())
         decision = self.router.route(block_hashes, num_tokens, known, lora_name=lora_name)
+        taken = (decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name)
+        self.changes.record("peer", None, [taken])  # followers see it as a peer's
         if self._share is not None:
-            self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
+            self._outbox.append(taken)
             self._flush_peers()
             if self._outbox:
                 self._queued.set()

@@ -117,6 +117,22 @@ def test_decisions_taken_by_one_follower_reach_the_service_and_the_other_followe
     assert a.router.directory.pending(first.replica_id) == pending_a
 
 
+def test_a_decision_the_service_takes_itself_reaches_the_followers():
+    """A process without a follower (or one whose follower is not ready) asks ``rank``:
+    the followers learn that decision's pending run too."""
+    service = RouterService(SPEC)
+    Fleet(service, random.Random(1), n=3)
+    follower = RouterFollower("f")
+    _sync(service, follower)
+    hashes, n = _prompt(2)
+    candidates = sorted(service.replicas())
+    decision = service.rank(hashes, n, candidates)
+    assert follower.router.directory.match(hashes, candidates)[decision.replica_id] == 0
+    _sync(service, follower)
+    assert follower.router.directory.match(hashes, candidates)[decision.replica_id] == len(hashes)
+    assert follower.rank(hashes, n, candidates).replica_id == decision.replica_id
+
+
 def test_a_follower_starts_over_on_reset_policy_change_log_overflow_and_absence(monkeypatch):
     clock = Clock()
     service = RouterService(SPEC, clock=clock)
