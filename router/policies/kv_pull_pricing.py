@@ -19,7 +19,9 @@ The pull and the queue overlap: the replica pulls first and queues the request o
 the prefix is cached, while its queue drains. With ``kv_room`` a candidate pulls only
 where the copy and the request fit beside its running answers (``copy_room``: free KV
 less its queued prefills less what those answers still decode); else the copied blocks
-would take the KV its running answers need next, and the engine preempts one. ``r``
+would take the KV its running answers need next, and the engine preempts one. Such a
+candidate is ``crowded``: recomputing there would take the same blocks, so the policy
+passes it over for the recompute too while another candidate is admissible. ``r``
 takes the pull where ``ttft'_r`` is below its recompute TTFT; the policy then compares
 that TTFT with every other candidate's, so a busy owner keeps the request only while
 waiting there beats a pull elsewhere (within the owner's slack: ``router/POLICIES.md``).
@@ -112,12 +114,12 @@ class PullPricing:
         setup_default = sum(timed) / len(timed) if timed else self.default_setup_s
         cached = min(top * block_size, max(n - 1, 0))
         own = n - cached
-        room = copy_room(table, block_size) if self.kv_room else None
+        short = self._short(table, figures, n, block_size) if self.kv_room else None
         out: dict[int, PullOffer] = {}
         for i, d in enumerate(depth):
             if d >= top or not sizes[i]:
                 continue
-            if room is not None and room[i] < (top - d) * block_size + own:  # takes its running answers' KV
+            if short is not None and short[i]:  # takes its running answers' KV
                 continue
             sources = [h for h in holders if sizes[h] == sizes[i]]
             if not sources:
@@ -130,6 +132,26 @@ class PullPricing:
             if ttft < recompute[i]:
                 out[i] = PullOffer(src, cached, blocks, seconds, ttft, top)
         return out
+
+    def crowded(self, table: CandidateTable, figures: Figures, n: int, block_size: int) -> list[bool] | None:
+        """With ``kv_room``: the candidates to pass over, pull and recompute alike, while
+        another may take the request (a holder always may: it needs only the rest). The
+        request's prompt there (the copy and the rest, or all of it recomputed: the same
+        blocks) does not fit beside their running answers' growth. None where no
+        candidate is short."""
+        if not self.kv_room:
+            return None
+        short = self._short(table, figures, n, block_size)
+        return short if any(short) else None
+
+    @staticmethod
+    def _short(table: CandidateTable, figures: Figures, n: int, block_size: int) -> list[bool]:
+        """Per candidate: one that could pull (short of the deepest confirmed match,
+        reporting a KV size) whose ``copy_room`` does not hold the copy and the rest."""
+        sizes, top = figures[0], max(figures[3])
+        own = n - min(top * block_size, max(n - 1, 0))
+        room = copy_room(table, block_size)
+        return [d < top and bool(sizes[i]) and room[i] < (top - d) * block_size + own for i, d in enumerate(table.depth)]
 
 
 def copy_room(table: CandidateTable, block_size: int) -> list[float]:

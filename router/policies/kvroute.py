@@ -32,10 +32,11 @@ candidate has a queue), and the longest eligible prefix wins. With no owner elig
 a new prefix goes to the roomiest cache among the near-best, then (where that one must
 evict) the one serving the fewest live prefixes, anything else to ``best``.
 With ``pulls``, a candidate whose recompute a pull of the deepest match from its least
-loaded holder beats (with ``pull_kv_room``: and whose free KV less its queued prefills
-and its running answers' growth holds the copy and the rest) takes the pull's TTFT
-instead (``kv_pull_pricing.py``), and a decision placing the request there names the
-source (``pull_from``, ``pull_tokens``).
+loaded holder beats takes the pull's TTFT instead (``kv_pull_pricing.py``), and a
+decision placing the request there names the source (``pull_from``, ``pull_tokens``);
+with ``pull_kv_room`` (the default) a candidate whose free KV less its queued prefills
+and its running answers' growth cannot hold the copy and the rest is passed over, pull
+and recompute alike, while another is admissible.
 Reasons: ``cold``, ``prefix``, ``hot_prefix_replica`` (the chosen holds none of a prefix
 another holds), ``load`` (a shorter one), ``pull``. Why each rule: ``router/POLICIES.md``.
 """
@@ -93,7 +94,7 @@ class KVRoutePolicy(Policy):
         pulls: bool = True,
         default_pull_bytes_per_s: float = DEFAULT_PULL_BYTES_PER_S,
         default_pull_setup_s: float = DEFAULT_PULL_SETUP_S,
-        pull_kv_room: bool = False,
+        pull_kv_room: bool = True,
     ) -> None:
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be positive, got {default_prefill_tokens_per_s!r}")
@@ -129,7 +130,7 @@ class KVRoutePolicy(Policy):
         self.eviction = bool(eviction)  # price what a placement evicts from a full cache (router/eviction.py)
         self.reuse = ReuseValue(reuse_half_life, max_reuse)
         self.live = LivePrefixes(live_horizon) if balance_prefixes else None  # new prefixes: the fewest live first
-        # (checks the defaults either way); pull_kv_room: a pull only where the copy fits beside running answers
+        # (checks the defaults either way); pull_kv_room: no pull or recompute where the prompt crowds running answers
         pricing = PullPricing(default_pull_bytes_per_s, default_pull_setup_s, pull_kv_room)
         self.pulls = pricing if pulls else None  # move a held prefix where that beats recomputing it
 
@@ -282,6 +283,10 @@ class KVRoutePolicy(Policy):
             evict = eviction_seconds(own, table.queued, rooms, block_size, self.reuse.value, est.fleet_rate)
             ts = [t + e for t, e in zip(ts, evict)]
         ok = [x <= blimit for x in qlen] if over else None
+        crowded = None if figures is None else pulls.crowded(table, figures, n, block_size)  # type: ignore[union-attr]
+        if crowded is not None:  # short of KV beside its running answers: passed over, pull or recompute
+            roomy = [not c for c in crowded] if ok is None else [a and not c for a, c in zip(ok, crowded)]
+            ok = roomy if any(roomy) else ok
         if kv_short:  # (a restore needs device blocks as a recompute does: only device hits spare them)
             ok, kv_waits = kv_admissible(table, {**est.cached, **est.on_device}, n, block_size, saturated, ok)
             if kv_waits is not None:  # short of blocks until a running request ends there: its wait

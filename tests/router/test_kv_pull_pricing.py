@@ -116,7 +116,7 @@ def test_a_pull_into_a_replica_whose_running_answers_need_its_free_kv_goes_to_a_
     loads = {"a": _load(8_000, 4, **FAST), "c": dataclasses.replace(_load(**FAST), **short), "d": _load(400, 1, **FAST)}
     d = _router(loads, {"a": 125}, pull_kv_room=True).route(H, len(PROMPT))
     assert (d.replica_id, d.reason, d.pull_from) == ("d", "pull", "a")
-    assert _router(loads, {"a": 125}).route(H, len(PROMPT)).replica_id == "c"  # the option off: c pulls (as before)
+    assert _router(loads, {"a": 125}, pull_kv_room=False).route(H, len(PROMPT)).replica_id == "c"  # off: c pulls
     # the same c without running answers takes the pull (it is the fastest)
     loads["c"] = dataclasses.replace(_load(**FAST), kv_usage=1 - 200 / 4096)
     d = _router(loads, {"a": 125}, pull_kv_room=True).route(H, len(PROMPT))
@@ -127,3 +127,28 @@ def test_copy_room_is_free_kv_less_queued_prefills_less_the_running_answers_grow
     c = dataclasses.replace(_load(**FAST), num_running=4, kv_usage=0.5, release_s=1.0)  # 50 tokens to its first end
     table = _router({"a": _load(800, 1, **FAST), "c": c}, {"a": 125}).candidate_table(H, ["a", "c"])
     assert copy_room(table, 16) == [4096 * 16 - 800, 2048 * 16 - 4 * 2.5 * 50]
+
+
+def test_a_replica_too_short_of_kv_for_the_pull_does_not_recompute_the_prompt_instead():
+    # c, crowded as above, would recompute the 2,040 tokens in about 1 s against 4 s of
+    # queue at the owner a; recomputing takes the same blocks the copy would, so c is
+    # passed over for both and the request waits at its owner (with the option off, c pulls)
+    short = dict(num_running=10, kv_usage=1 - 200 / 4096, release_s=4.0)
+    loads = {"a": _load(8_000, 4, **FAST), "c": dataclasses.replace(_load(**FAST), **short)}
+    d = _router(loads, {"a": 125}).route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("a", "prefix", None)
+    d = _router(loads, {"a": 125}, pull_kv_room=False).route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("c", "pull", "a")
+
+
+def test_crowded_marks_only_the_candidates_that_could_pull_and_lack_the_room():
+    short = dict(num_running=10, kv_usage=1 - 200 / 4096, release_s=4.0)
+    loads = {"a": _load(8_000, 4, **FAST), "c": dataclasses.replace(_load(**FAST), **short), "d": _load(400, 1, **FAST)}
+    table = _router(loads, {"a": 125}).candidate_table(H, ["a", "c", "d"])
+    figures = PullPricing(kv_room=True).possible(table)
+    assert figures is not None
+    assert PullPricing(kv_room=True).crowded(table, figures, len(PROMPT), 16) == [False, True, False]
+    assert PullPricing(kv_room=False).crowded(table, figures, len(PROMPT), 16) is None
+    roomy = {**loads, "c": _load(**FAST)}
+    table = _router(roomy, {"a": 125}).candidate_table(H, ["a", "c", "d"])
+    assert PullPricing(kv_room=True).crowded(table, PullPricing.possible(table), len(PROMPT), 16) is None
