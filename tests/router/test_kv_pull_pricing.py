@@ -126,7 +126,7 @@ def test_a_pull_into_a_replica_whose_running_answers_need_its_free_kv_goes_to_a_
 def test_copy_room_is_free_kv_less_queued_prefills_less_the_running_answers_growth():
     c = dataclasses.replace(_load(**FAST), num_running=4, kv_usage=0.5, release_s=1.0)  # 50 tokens to its first end
     table = _router({"a": _load(800, 1, **FAST), "c": c}, {"a": 125}).candidate_table(H, ["a", "c"])
-    assert copy_room(table, 16) == [4096 * 16 - 800, 2048 * 16 - 4 * 2.5 * 50]
+    assert copy_room(table, 16) == [4096 * 16 - 800, 2048 * 16 - 2 * 4 * 2.5 * 50]  # the growth counted twice
 
 
 def test_a_replica_too_short_of_kv_for_the_pull_does_not_recompute_the_prompt_instead():
@@ -152,3 +152,17 @@ def test_crowded_marks_only_the_candidates_that_could_pull_and_lack_the_room():
     roomy = {**loads, "c": _load(**FAST)}
     table = _router(roomy, {"a": 125}).candidate_table(H, ["a", "c", "d"])
     assert PullPricing(kv_room=True).crowded(table, PullPricing.possible(table), len(PROMPT), 16) is None
+
+
+def test_the_running_answers_growth_counts_twice_since_the_nearest_end_reads_it_low(monkeypatch):
+    # c: 222 free blocks (3,552 tokens); 4 running answers, the nearest 100 tokens from its
+    # end (2 s at 20 ms a step), so 4 × 2.5 × 100 = 1,000 tokens of growth: once, 2,552
+    # tokens hold the 2,040-token request (the copy and the rest); twice, 1,552 do not
+    from kvroute.router.policies import kv_pull_pricing
+
+    short = dict(num_running=4, kv_usage=1 - 222 / 4096, release_s=2.0)
+    loads = {"a": _load(8_000, 4, **FAST), "c": dataclasses.replace(_load(**FAST), **short), "d": _load(400, 1, **FAST)}
+    assert _router(loads, {"a": 125}).route(H, len(PROMPT)).replica_id == "d"
+    monkeypatch.setattr(kv_pull_pricing, "GROWTH_MARGIN", 1.0)
+    d = _router(loads, {"a": 125}).route(H, len(PROMPT))
+    assert (d.replica_id, d.reason, d.pull_from) == ("c", "pull", "a")
