@@ -105,9 +105,10 @@ class PullPricing:
     def offers(
         self, table: CandidateTable, figures: Figures, n: int,
         block_size: int, waits: Sequence[float], interference: Sequence[float], fleet_rate: float, step_tokens: int,
-        recompute: Sequence[float],
+        recompute: Sequence[float], crowded: Sequence[bool] | None = None,
     ) -> dict[int, PullOffer]:
-        """Each candidate's pull where it beats its ``recompute`` TTFT, by position."""
+        """Each candidate's pull where it beats its ``recompute`` TTFT, by position; none
+        for a ``crowded`` candidate (``crowded``'s answer, taken once per decision)."""
         sizes, rates, setups, confirmed = figures
         depth, qlen, queued = table.depth, table.queue_len, table.queued
         top = max(confirmed)
@@ -118,12 +119,11 @@ class PullPricing:
         setup_default = sum(timed) / len(timed) if timed else self.default_setup_s
         cached = min(top * block_size, max(n - 1, 0))
         own = n - cached
-        short = self._short(table, figures, n, block_size) if self.kv_room else None
         out: dict[int, PullOffer] = {}
         for i, d in enumerate(depth):
             if d >= top or not sizes[i]:
                 continue
-            if short is not None and short[i]:  # takes its running answers' KV
+            if crowded is not None and crowded[i]:  # takes its running answers' KV
                 continue
             sources = [h for h in holders if sizes[h] == sizes[i]]
             if not sources:

@@ -272,8 +272,9 @@ class KVRoutePolicy(Policy):
         for i, c in est.cached.items():
             own[i] -= c
         ts = self.ttfts(est.waits, table.queued, own, est.interference, est.fleet_rate)
+        crowded = None if figures is None else pulls.crowded(table, figures, n, block_size)  # type: ignore[union-attr]
         offers = {} if figures is None else pulls.offers(  # type: ignore[union-attr]
-            table, figures, n, block_size, est.waits, est.interference, est.fleet_rate, self.step_tokens, ts)
+            table, figures, n, block_size, est.waits, est.interference, est.fleet_rate, self.step_tokens, ts, crowded)
         for i, offer in offers.items():  # a pull beats recomputing there: its TTFT
             ts[i] = offer.ttft
         if (self.eviction and table.room is not None and est.longest and self.reuse.value > 0
@@ -283,7 +284,6 @@ class KVRoutePolicy(Policy):
             evict = eviction_seconds(own, table.queued, rooms, block_size, self.reuse.value, est.fleet_rate)
             ts = [t + e for t, e in zip(ts, evict)]
         ok = [x <= blimit for x in qlen] if over else None
-        crowded = None if figures is None else pulls.crowded(table, figures, n, block_size)  # type: ignore[union-attr]
         if crowded is not None:  # short of KV beside its running answers: passed over, pull or recompute
             roomy = [not c for c in crowded] if ok is None else [a and not c for a, c in zip(ok, crowded)]
             ok = roomy if any(roomy) else ok
