@@ -37,15 +37,13 @@ from kvroute.router.types import RouteDecision
 
 from kvroute.cluster.config import ClusterConfig
 from kvroute.cluster.messages import ROUTER_NAMESPACE
-from kvroute.cluster.router_follow import ChangeLog, Reply
+from kvroute.cluster.router_follow import ChangeLog, PeerDecision, Reply, peer_decision
 from kvroute.cluster.router_choice import LOAD_SAMPLE_S
 
 log = logging.getLogger(__name__)
 
 ACTIVE_S = 5.0  # a router that ranked within this long is deciding; else it stands by
 PEER_FLUSH_S = 0.002  # a router sends its peers its decisions at least this often while it decides
-# One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time, LoRA adapter.
-PeerDecision = tuple[str, Sequence[BlockHash], int, int, float, "str | None"]
 
 
 class RouterService:
@@ -125,11 +123,9 @@ class RouterService:
             log.warning("%s", self.refused[replica_id])
             raise ValueError(self.refused[replica_id])
         self.refused.pop(replica_id, None)
-        if replica_id not in self.router.directory:
-            self.router.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
-        self.router.apply_snapshot(replica_id, block_hashes, seq, load, host_hashes)
-        self.changes.record("reg", replica_id, capacity_blocks, host_capacity_blocks, list(block_hashes),
-                            list(host_hashes), seq, load)  # fmt: skip
+        reg = (replica_id, capacity_blocks, host_capacity_blocks, list(block_hashes), list(host_hashes), seq, load)
+        self.router.register_snapshot(*reg)
+        self.changes.record("reg", *reg)
         self._last_seen[replica_id] = self.clock()
         self.counters["registrations"] += 1
 
@@ -229,18 +225,23 @@ class RouterService:
             self.counters["unregistered_routes"] += 1
             return RouteDecision(unknown[0], 0, "unregistered", fallbacks=unknown[1:], router_load=self.load())
         decision = self.router.route(block_hashes, num_tokens, known, lora_name=lora_name)
-        taken = (decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name)
-        self.changes.record("peer", None, [taken])  # followers see it as a peer's
-        if self._share is not None:
-            self._outbox.append(taken)
-            self._flush_peers()
-            if self._outbox:
-                self._queued.set()
+        taken = [peer_decision(decision, block_hashes, num_tokens, lora_name)]
+        self.changes.record("peer", None, taken)  # followers see it as a peer's
+        self._share_out(taken)
         # the Router's fresh decision, completed with what the caller tries next
         return dataclasses.replace(decision, fallbacks=[*self.router.fallbacks(known, decision.replica_id), *unknown],
                                    router_load=self.load())  # fmt: skip
 
     # ------------------------------------------------------------------ peers
+    def _share_out(self, batch: list[PeerDecision]) -> None:
+        """Queue decisions taken in this router's name for the other router actors."""
+        if self._share is None:
+            return
+        self._outbox.extend(batch)
+        self._flush_peers()
+        if self._outbox:
+            self._queued.set()
+
     def _flush_peers(self, force: bool = False) -> None:
         if not self._outbox:
             return
@@ -286,11 +287,7 @@ class RouterService:
         if decisions:
             self.note_peer_decisions(decisions, follower_id)
             self.router.count_decisions(*counts)
-            if self._share is not None:
-                self._outbox.extend(decisions)
-                self._flush_peers()
-                if self._outbox:
-                    self._queued.set()
+            self._share_out(decisions)
         ops = self.changes.since(epoch, seq)
         if ops is not None:
             return self.changes.epoch, self.changes.seq, ops, None

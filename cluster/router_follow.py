@@ -51,11 +51,19 @@ STALE_S = 1.0  # a follower not synced for this long is not ready
 FOLLOWER_TTL_S = 10.0  # the log records while a follower followed within this
 LOG_OPS = 16384
 
+# One decision as peers receive it: replica, block hashes, prompt tokens, ticket, wall time, LoRA adapter.
+PeerDecision = tuple[str, Sequence[BlockHash], int, int, float, "str | None"]
 Op = tuple  # ("reg", id, capacity, host capacity, hashes, host hashes, seq, load) | ("push", KVEvents)
 # | ("load", id, LoadFigures) | ("remove", id) | ("peer", source, [PeerDecision])
 # What ``follow`` answers: epoch, seq, the changes since the cursor, and the
 # (policy, policy kwargs, block size, registrations) to start from, or None.
 Reply = tuple[str, int, list[Op], "tuple[str, dict[str, Any], int, list[tuple]] | None"]
+
+
+def peer_decision(decision: RouteDecision, block_hashes: Sequence[BlockHash], num_tokens: int,
+                  lora_name: str | None) -> PeerDecision:  # fmt: skip
+    """``decision`` (of a request with these blocks) as the other routers apply it."""
+    return decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name
 
 
 class ChangeLog:
@@ -102,7 +110,7 @@ class RouterFollower:
         self.seq = 0
         self.synced_at = float("-inf")
         self.decided_at = float("-inf")
-        self._outbox: list[tuple] = []
+        self._outbox: list[PeerDecision] = []
         self._reasons: Counter[str] = Counter()
         self._routed: Counter[str] = Counter()
         self.stats = {"decisions": 0, "syncs": 0, "starts": 0, "changes": 0}
@@ -129,7 +137,7 @@ class RouterFollower:
         if not known:
             return None
         decision = router.route(block_hashes, num_tokens, known, lora_name=lora_name)  # type: ignore[union-attr]
-        self._outbox.append((decision.replica_id, list(block_hashes), num_tokens, decision.ticket, time.time(), lora_name))
+        self._outbox.append(peer_decision(decision, block_hashes, num_tokens, lora_name))
         self._reasons[decision.reason] += 1
         self._routed[decision.replica_id] += 1
         self.stats["decisions"] += 1
@@ -137,7 +145,7 @@ class RouterFollower:
         random.shuffle(unknown)
         return dataclasses.replace(decision, fallbacks=[*router.fallbacks(known, decision.replica_id), *unknown])  # type: ignore[union-attr]
 
-    def request(self) -> tuple[str, str | None, int, list[tuple], tuple[dict[str, int], dict[str, int]]]:
+    def request(self) -> tuple[str, str | None, int, list[PeerDecision], tuple[dict[str, int], dict[str, int]]]:
         """``follow``'s arguments: the cursor, and the decisions (with their counts) since
         the last call, handed over."""
         with self._lock:
@@ -177,10 +185,7 @@ class RouterFollower:
                 for rid, hashes, num_tokens, ticket, _, lora_name in op[2]:
                     router.note_routed(rid, hashes, num_tokens, ticket, lora_name)
         elif kind == "reg":
-            _, rid, capacity, host_capacity, hashes, host_hashes, seq, load = op
-            if rid not in router.directory:
-                router.add_replica(rid, capacity, host_capacity)
-            router.apply_snapshot(rid, hashes, seq, load, host_hashes)
+            router.register_snapshot(*op[1:])
         elif kind == "remove":
             if op[1] in router.directory:
                 router.remove_replica(op[1])

@@ -153,6 +153,16 @@ class Router:
             self._observe_ticket(load.route_ticket)
             self.loads.report(replica_id, load)
 
+    def register_snapshot(
+        self, replica_id: str, capacity_blocks: int, host_capacity_blocks: int, block_hashes: Sequence[BlockHash],
+        host_hashes: Sequence[BlockHash], seq: int, load: LoadFigures | None,
+    ) -> None:
+        """A registration: the replica added where it is new, then its snapshot applied
+        (arguments in the order ``registrations`` lists them)."""
+        if replica_id not in self.directory:
+            self.add_replica(replica_id, capacity_blocks, host_capacity_blocks)
+        self.apply_snapshot(replica_id, block_hashes, seq, load, host_hashes)
+
     def report_load(self, replica_id: str, load: LoadFigures) -> bool:
         """Load figures alone (an external worker's polled ``/metrics``), beside
         whatever feeds its cache entries; False: the replica is unknown."""
