@@ -193,6 +193,45 @@ def test_structured_outputs_and_forced_tool_calls_take_the_direct_path(served):
     assert call["function"]["name"] == "tag" and set(json.loads(call["function"]["arguments"])) == {"ids", "ok"}
 
 
+def test_the_openai_client_sends_every_kind_of_request_at_once_through_the_direct_path(served):
+    """The real ``openai`` client, one batch in flight together: a plain chat, a
+    json_schema chat, a forced tool call and a streamed completion, each answered in its
+    shape while the others run beside it on the same replicas."""
+    openai = pytest.importorskip("openai")
+    _, _, url = served
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},  # small: fits max_tokens (whitespace runs are capped)
+                                               "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
+              "required": ["ok", "tags"], "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": schema}}]
+
+    async def streamed(model: str) -> str:
+        stream = await client.completions.create(model=model, prompt="Once upon", max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def batch() -> list:
+        model = (await client.models.list()).data[0].id
+        chat = [{"role": "user", "content": "Say something"}]
+        return await asyncio.gather(
+            client.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True}),
+            client.chat.completions.create(model=model, messages=chat, max_tokens=250, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}),
+            client.chat.completions.create(model=model, messages=chat, max_tokens=250, temperature=0, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "tag"}}),
+            streamed(model),
+        )  # fmt: skip
+
+    plain, structured, forced, text = asyncio.run(batch())
+    assert plain.usage.completion_tokens == 8 and plain.choices[0].message.content is not None
+    assert set(json.loads(structured.choices[0].message.content)) == {"ok", "tags"}
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "tag" and set(json.loads(call.function.arguments)) == {"ok", "tags"}
+    assert forced.choices[0].message.content is None
+    assert len(text) > 0
+
+
 def test_lora_adapters_take_the_direct_path(served, adapters, tiny_llama_path):
     """``model`` names an adapter (loaded at start, or from the dynamic folder on first
     use, also as ``<base>:<adapter>``): its greedy text is the offline engine's with that
