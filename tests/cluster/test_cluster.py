@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -201,6 +202,16 @@ def test_bad_request_is_a_value_error_and_harms_nothing(app):
     assert asyncio.run(client.complete([1, 2, 3], GREEDY))[-1].finish_reason is not None
 
 
+def _leading_hits(config: ClusterConfig, prompt: list[int], cached) -> int:
+    """How many of ``prompt``'s leading blocks ``cached`` holds."""
+    cached, n = set(cached), 0
+    for h in hash_blocks(config.hash_spec, prompt):
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
 def _replica_actor(config: ClusterConfig, unique_id: str):
     return ray.get_actor(f"SERVE_REPLICA::{config.app_name}#{config.deployment_name}#{unique_id}", namespace="serve")
 
@@ -231,19 +242,27 @@ def test_killing_a_replica_mid_stream_loses_no_request(app):
     victims = ray.get(router.replicas.remote())
     victim = victims[0]
     killed_at: list[float] = []
+    left_at: list[float] = []
+
+    def watch_the_directory():  # timed apart from the streams, whose pace a loaded box sets
+        while victim in ray.get(router.replicas.remote()) and time.monotonic() - killed_at[0] < 120:
+            time.sleep(0.1)
+        left_at.append(time.monotonic())
 
     async def kill_when_all_streaming(progress):
         if not killed_at and min(progress) >= 1:
             ray.kill(_replica_actor(config, victim), no_restart=True)
             killed_at.append(time.monotonic())
+            threading.Thread(target=watch_the_directory, daemon=True).start()
 
     outs = asyncio.run(run_all(kill_when_all_streaming))
     assert killed_at, "the replica was never killed"
     assert [(_tokens(o), "".join(d.text for d in o)) for o in outs] == reference
     assert all(o[-1].finish_reason == "length" for o in outs)
     assert client.stats["resumes"] >= 1
-    wait_until(lambda: victim not in ray.get(router.replicas.remote()), 1.0, "the dead replica to leave the directory")
-    assert time.monotonic() - killed_at[0] < 30  # (left within 1 s of this check; bounded above too)
+    wait_until(lambda: bool(left_at), 130, "the directory watch to end")
+    # it leaves on Serve's death notice or, at the latest, after replica_timeout_s without a heartbeat
+    assert left_at[0] - killed_at[0] < config.replica_timeout_s + 10
     # Serve replaces the replica, and the new one registers with the router.
     wait_until(lambda: len(ray.get(router.replicas.remote())) == 2, 60, "Serve to bring the replica count back")
     _settle(router, config)
@@ -271,9 +290,11 @@ def test_killing_the_router_actor_fails_no_request_and_it_rebuilds(app):
         "the restarted router to hear from both replicas",
     )
     assert stats["uptime_s"] < 60 and stats["registrations"] >= 2 and registrations >= 2
-    _settle(router, config)  # the rebuilt directory is exact
+    states = _settle(router, config)  # the rebuilt directory is exact
+    # the load may have evicted part of the prefix where it landed: the longest holder wins
+    held = [_leading_hits(config, PREFIX, s["cached_block_hashes"]) for s in states.values()]
     out = asyncio.run(client.complete(PREFIX + [2], GREEDY))
-    assert out[-1].num_cached_tokens == len(PREFIX)  # prefix routing resumed
+    assert out[-1].num_cached_tokens == max(held) * config.engine.block_size > 0  # prefix routing resumed
 
 
 def test_overload_is_a_prompt_error_and_the_rest_complete(ray_cluster, tiny_llama_path):
