@@ -270,11 +270,9 @@ class RouterService:
         named a known replica."""
         self._flush_peers()
         self.changes.record("peer", source, batch)
-        now, applied = time.time(), 0
-        for replica_id, hashes, num_tokens, ticket, sent, lora_name in batch:
-            applied += self.router.note_routed(replica_id, hashes, num_tokens, ticket, lora_name)
-            self._staleness_s.append(max(now - sent, 0.0))
-        return applied
+        now = time.time()
+        self._staleness_s.extend(max(now - d[4], 0.0) for d in batch)
+        return self.router.note_peer_batch(batch)
 
     def follow(self, follower_id: str, epoch: str | None, seq: int, decisions: list[PeerDecision],
                counts: tuple[dict[str, int], dict[str, int]]) -> Reply:  # fmt: skip

@@ -182,8 +182,7 @@ class RouterFollower:
             router.report_load(op[1], op[2])
         elif kind == "peer":
             if op[1] != self.id:  # its own decisions are in its router already
-                for rid, hashes, num_tokens, ticket, _, lora_name in op[2]:
-                    router.note_routed(rid, hashes, num_tokens, ticket, lora_name)
+                router.note_peer_batch(op[2])
         elif kind == "reg":
             router.register_snapshot(*op[1:])
         elif kind == "remove":

@@ -175,6 +175,11 @@ class BlockDirectory:
     def last_seq(self, replica_id: str) -> int:
         return self._get(replica_id).confirmed.last_seq
 
+    def capacities(self, replica_id: str) -> tuple[int, int]:
+        """The replica's device and host tier capacities in blocks (0: no host tier)."""
+        rep = self._get(replica_id)
+        return rep.confirmed.capacity, 0 if rep.host is None else rep.host.capacity
+
     # ------------------------------------------------------------------ optimistic entries
     def add_pending(
         self, replica_id: str, block_hashes: Sequence[BlockHash], now: float | None = None, start: int = 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from kvroute.replica.block_hash import BlockHash
 from kvroute.replica.kv_events import KVEvents, LoadFigures
@@ -240,6 +240,11 @@ class Router:
         self._peer_decisions += 1
         return True
 
+    def note_peer_batch(self, batch: Iterable[Sequence[Any]]) -> int:
+        """``note_routed`` for each of another router's decisions (replica, block hashes,
+        prompt tokens, ticket, wall time sent, LoRA adapter); how many named a known replica."""
+        return sum(self.note_routed(rid, hashes, n, ticket, lora) for rid, hashes, n, ticket, _, lora in batch)
+
     def count_decisions(self, reasons: dict[str, int], routed_to: dict[str, int]) -> None:
         """Count decisions this router's followers took in its name (``stats``)."""
         self._reasons.update(reasons)
@@ -365,13 +370,9 @@ class Router:
         """Each replica as a ``register`` would add it again: (id, capacity, host tier
         capacity, confirmed hashes, host hashes, last event seq, load figures), entries
         least recently touched first. Pending runs are left out (they expire anyway)."""
-        out = []
-        for rid in self.directory.replicas():
-            rep = self.directory._get(rid)
-            host_capacity = 0 if rep.host is None else rep.host.capacity
-            out.append((str(rid), rep.confirmed.capacity, host_capacity, self.directory.confirmed(rid),
-                        self.directory.host_confirmed(rid), rep.confirmed.last_seq, self.loads.figures(rid)))  # fmt: skip
-        return out
+        d = self.directory
+        return [(str(rid), *d.capacities(rid), d.confirmed(rid), d.host_confirmed(rid), d.last_seq(rid),
+                 self.loads.figures(rid)) for rid in d.replicas()]  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-serializable state (directory + last load figures) for ``restore``."""
