@@ -39,6 +39,12 @@ FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZ
 # Ctrl-C (and every scale-down) waiting.
 _DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3"}
 
+# How long Serve's controller waits for a starting proxy to say it is ready (Ray's
+# default: 5 s, three tries, then it kills the proxy and ``serve.start`` fails with it).
+# A proxy starting beside model replicas that load on a small, busy machine can take
+# longer; a healthy one is then killed for being slow.
+_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+
 # HAProxy's own listeners (stats page, Prometheus metrics), on fixed ports unless set:
 # one free port each, so two clusters on one machine do not collide
 _SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -55,6 +61,7 @@ def apply(proxy: str) -> dict[str, str]:
     if proxy not in PROXIES:
         raise ValueError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
     chosen = dict(FAST_PATH_ENV) if proxy == "haproxy" else {k: "0" for k in FAST_PATH_ENV}
+    chosen.update(_START_ENV)
     if proxy == "haproxy":
         chosen.update({name: str(_free_port()) for name in _SIDE_PORTS}, **_DRAIN_ENV)
     for key, value in chosen.items():

@@ -306,18 +306,21 @@ def test_serve_proxy_environment_defaults_and_refusals(monkeypatch):
 
     for key in serve_proxy.FAST_PATH_ENV:
         monkeypatch.delenv(key, raising=False)
-    for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"):
+    for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"):
         monkeypatch.delenv(key, raising=False)
     env = serve_proxy.apply("haproxy")
     assert {k: env[k] for k in serve_proxy.FAST_PATH_ENV} == serve_proxy.FAST_PATH_ENV
     # HAProxy's side listeners get free ports, so two clusters on one machine can run
     assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) != 8404 and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) != 9101
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "3"  # one node: HAProxy knows at once
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"  # a slow start on a busy box is no failure
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # what the caller set wins
     for key in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"):
         monkeypatch.delenv(key)
     assert serve_proxy.apply("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
-                                           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "0"}
+                                           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "0",
+                                           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     with pytest.raises(ValueError, match="proxy must be one of haproxy, python"):
         serve_proxy.apply("nginx")
     with pytest.raises(SystemExit, match="--proxy applies to a cluster this command starts"):
