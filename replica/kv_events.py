@@ -21,6 +21,12 @@ class LoadFigures:
     here with a later ticket (still in transit, or waiting for the step in flight to
     end) and drops the rest, which these figures already count.
 
+    ``kv_usage``: the share of its KV blocks taken: held by its requests, or cached
+    blocks no request holds yet that a waiting request's prefix hit covers (each counted
+    once), since its admission takes them out of the free queue: a prefix pulled in
+    for a queued request is not free for the next prompt. What is left is free for new
+    KV (cached blocks among it may be evicted for it).
+
     ``queued_prefill_s``: the replica's own estimate of the seconds its queued prefill
     takes, from its measured step cost (attention grows with position, so a long
     prompt's tokens cost more than a short one's); 0.0 while it has measured no step.

@@ -33,6 +33,7 @@ from collections import deque
 import itertools
 from dataclasses import dataclass, field
 
+from kvroute.replica.block_pool import Block
 from kvroute.replica.kv_cache_manager import CopyPlan, HostHit, KVCacheManager
 from kvroute.replica.outputs import RequestId
 from kvroute.replica.request import Request, RequestStatus
@@ -129,30 +130,47 @@ class Scheduler:
         return sum(end - start for start, end in self.queued_spans())
 
     def queued_spans(self) -> list[tuple[int, int]]:
-        """The prefill still to compute, as ``(start, end)`` positions per request. A
-        running request has the rest of its prompt. A waiting request has the part of
+        """The prefill still to compute, as ``(start, end)`` positions per request
+        (``queued``'s first part)."""
+        return self.queued()[0]
+
+    def queued(self) -> tuple[list[tuple[int, int]], int]:
+        """(the prefill still to compute as ``(start, end)`` positions per request, the
+        free blocks the waiting requests will take as cache hits), in one pass over the
+        waiting requests' blocks.
+
+        A running request has the rest of its prompt. A waiting request has the part of
         its prompt that neither the prefix cache nor a request ahead of it (running, or
         earlier in the queue) will hold by its admission: a prefix shared by queued
         requests is computed once, by the first, and counted once (a burst of one
-        group's requests is one prefill and their suffixes, not a prefill each)."""
+        group's requests is one prefill and their suffixes, not a prefill each).
+
+        The second figure counts each cached block no request holds (in the free queue)
+        that a waiting request's prefix hit covers, once however many share it: a
+        pulled prefix waiting for its request, or a finished request's prefix that a
+        queued one continues. Admission takes them out of the free queue, so they are
+        not free for anything else (``LoadFigures.kv_usage``)."""
         spans = [(r.num_computed_tokens, r.num_prompt_tokens) for r in self.running
                  if r.num_computed_tokens < r.num_prompt_tokens]  # fmt: skip
         if not self.kv.enable_caching:  # nothing is shared: every prompt is computed whole
-            return spans + [(0, r.num_tokens) for r in self.waiting]
+            return spans + [(0, r.num_tokens) for r in self.waiting], 0
         bs = self.block_size
         ahead: set = set()  # hashes of the blocks a request ahead will compute
+        held: set[int] = set()  # ids of the free cached blocks a waiting request hits
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 ahead.update(r.update_block_hashes()[r.num_computed_tokens // bs : r.num_prompt_tokens // bs])
         for r in self.waiting:
             hashes = r.update_block_hashes()
-            hit = self.kv.get_computed_blocks(r)[1] // bs
+            hits, hit_tokens = self.kv.get_computed_blocks(r)
+            held.update(b.block_id for b in hits if isinstance(b, Block) and not b.ref_cnt)
+            hit = hit_tokens // bs
             last = min((r.num_tokens - 1) // bs, len(hashes))  # the last token is always computed
             while hit < last and hashes[hit] in ahead:
                 hit += 1
             spans.append((hit * bs, r.num_tokens))
             ahead.update(hashes[hit:last])
-        return spans
+        return spans, len(held)
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request wherever it is and free its blocks (idempotent)."""

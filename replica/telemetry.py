@@ -1,7 +1,12 @@
 """What a replica reports after each step: KV events numbered by ``seq`` and load figures
 with measured rates and its queued prefill priced in seconds by the scheduler's step
 cost model, which each step's duration feeds. Shared by the engine and the simulator's
-replicas, so both speak to the router in exactly the same way."""
+replicas, so both speak to the router in exactly the same way.
+
+The KV in use counts the free cached blocks its waiting requests will hit (a pulled
+prefix waiting for its request among them) with the blocks requests hold: a router
+that read them as free would place another prompt's KV (a second pull, a recompute)
+in blocks the queue's admission takes."""
 
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ class ReplicaTelemetry:
 
     def load(self) -> LoadFigures:
         s = self.scheduler
-        spans = s.queued_spans()
+        spans, held = s.queued()
         resident, load_s = ((), 0.0) if self.lora_state is None else self.lora_state()
         slots = s.config.max_loras
         running = tuple(sorted({r.lora_name for r in s.running if r.lora_name is not None})) if slots else ()
@@ -60,7 +65,7 @@ class ReplicaTelemetry:
             num_running=len(s.running),
             queued_prefill_tokens=sum(end - start for start, end in spans),
             queued_prefill_s=sum(s.cost.span_seconds(start, end) for start, end in spans),
-            kv_usage=self.kv.usage,
+            kv_usage=1.0 - (self.kv.pool.num_free_blocks - held) / self.kv.num_blocks,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_step_s=self.decode_step_s,
             route_ticket=s.route_ticket,

@@ -160,11 +160,12 @@ class PullPricing:
 
 def copy_room(table: CandidateTable, block_size: int) -> list[float]:
     """Per candidate: the tokens of KV a copy may take there without pushing out a running
-    answer. Its free blocks, less its queued prefills, less what its ``r`` running
-    answers still decode: the one nearest its end has ``left = release_s / decode_step``
-    tokens to go, and with ``r`` answers spread evenly over their length the mean one
-    has ``(r + 1) / 2`` times that, so they grow by ``r (r + 1) / 2 × left`` tokens,
-    counted ``GROWTH_MARGIN`` times."""
+    answer. Its free blocks (as it reports them: the cached blocks its waiting
+    requests will hit, a pulled prefix among them, are not free), less its queued
+    prefills, less what its ``r`` running answers still decode: the one nearest its end
+    has ``left = release_s / decode_step`` tokens to go, and with ``r`` answers spread
+    evenly over their length the mean one has ``(r + 1) / 2`` times that, so they grow
+    by ``r (r + 1) / 2 × left`` tokens, counted ``GROWTH_MARGIN`` times."""
     n = len(table.free_blocks)
     release_s = table.release()[0] if table.release is not None else [0.0] * n
     out = []

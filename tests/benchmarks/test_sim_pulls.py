@@ -6,10 +6,10 @@ pulled tokens as delivered."""
 
 import dataclasses
 
-from kvroute.benchmarks.sim.replica import SimReplica
+from kvroute.benchmarks.sim.replica import SimReplica, SimRequest
 from kvroute.benchmarks.sim import pulls
 from kvroute.benchmarks.sim.simulator import SimConfig, Simulation
-from kvroute.benchmarks.workloads import make_workload, with_poisson_arrivals
+from kvroute.benchmarks.workloads import RequestSpec, make_workload, with_poisson_arrivals
 from kvroute.replica.block_hash import HashSpec, hash_blocks
 from kvroute.replica.profiles import get_profile
 from kvroute.replica.scheduler import SchedulerConfig
@@ -55,6 +55,37 @@ def test_a_commit_registers_what_the_source_held_and_keeps_what_is_already_there
     assert pulls.commit(dst, run) == 8  # the first three kept, five registered
     assert dst.true_match(hashes) == 8 and all(c == 0 for c in dst.block_ref_counts())
     assert dst.kv.pool.cached_block(hashes[7]).parent_hash == hashes[6]
+
+
+
+def test_a_simulated_replica_reports_a_committed_pull_taken_while_its_request_waits():
+    """After a commit the pulled blocks are cached and free in the pool, but the
+    request queued for them will take them: the replica's load figures count them as
+    used from its queueing until it has run (the same telemetry as the engine's)."""
+    spec = HashSpec(16, 0, "sim")
+    src, dst = (SimReplica(r, 64, spec, PROFILE, SchedulerConfig(8192, 256)) for r in ("a", "b"))
+    tokens = list(range(100, 100 + 16 * 10 + 4))  # 10 full blocks + 4 tokens
+    hashes = hash_blocks(spec, tokens)
+    blocks = src.kv.pool.take_new_blocks(10)
+    for i, (b, h) in enumerate(zip(blocks, hashes)):
+        src.kv.pool.cache_block(b, h, tokens[16 * i : 16 * (i + 1)], hashes[i - 1] if i else None)
+    src.kv.pool.free(reversed(blocks))
+    assert pulls.commit(dst, pulls.lease(src, hashes, 10)) == 10
+
+    def free() -> int:
+        return round((1 - dst.load().kv_usage) * 64)
+
+    assert free() == dst.kv.pool.num_free_blocks == 64
+    spec_ = RequestSpec("q", tuple(tokens), output_len=2)
+    for rid in ("q", "r"):  # two requests of the prefix: its blocks are counted once
+        spec_ = dataclasses.replace(spec_, request_id=rid)
+        dst.add(SimRequest(spec_, dst.make_request(spec_, hashes, 0.0), 0.0, "b", 160, "pull"))
+    assert free() == 64 - 10 and dst.load().queued_prefill_tokens == 2 * 4  # each computes its last 4
+    now = 0.0
+    while dst.has_work():
+        now += dst.start_step()
+        dst.finish_step(now)
+    assert free() == dst.kv.pool.num_free_blocks == 64 and dst.true_match(hashes) == 10
 
 
 def _scale_out(warmup: int) -> dict:

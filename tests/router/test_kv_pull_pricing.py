@@ -166,3 +166,48 @@ def test_the_running_answers_growth_counts_twice_since_the_nearest_end_reads_it_
     monkeypatch.setattr(kv_pull_pricing, "GROWTH_MARGIN", 1.0)
     d = _router(loads, {"a": 125}).route(H, len(PROMPT))
     assert (d.replica_id, d.reason, d.pull_from) == ("c", "pull", "a")
+
+
+def test_a_second_pull_into_a_replica_counts_the_first_pulls_blocks_until_its_request_runs():
+    # c (250 blocks, idle) took a pull of PREFIX for PROMPT, now waiting there: its pool
+    # holds the 125 copied blocks cached, held by no request yet. A second request, of
+    # another 2,000-token prefix whose holder b is busy, would pull it into c: its 2,040
+    # tokens fit the 250 free blocks the pool counts (less the 40 queued tokens), not the
+    # 125 left once the waiting request's hits are counted, as the replica reports them
+    from kvroute.replica.kv_cache_manager import KVCacheManager
+    from kvroute.replica.request import Request
+    from kvroute.replica.sampling_params import SamplingParams
+    from kvroute.replica.scheduler import Scheduler, SchedulerConfig
+    from kvroute.replica.telemetry import ReplicaTelemetry
+
+    kv = KVCacheManager(250, 16)
+    sched = Scheduler(SchedulerConfig(8192, 256), kv)
+    tel = ReplicaTelemetry("c", sched, kv)
+    tel.pull_state = lambda: (KV, 1e9, 0.01)
+    chain = kv.pool.take_new_blocks(125)
+    for i, block in enumerate(chain):  # the import: fresh blocks, cached, released tail first
+        kv.pool.cache_block(block, H[i], PROMPT[16 * i : 16 * (i + 1)], H[i - 1] if i else None)
+    kv.pool.free(reversed(chain))
+    sched.add(Request("first", PROMPT, SamplingParams(max_tokens=8), SPEC))
+    now = tel.load()
+    assert kv.pool.num_free_blocks == 250 and now.kv_usage == pytest.approx(125 / 250) and now.queued_prefill_tokens == 40
+    other = list(range(50_000, 50_000 + 16 * 125)) + list(range(5, 45))
+    h2 = hash_blocks(SPEC, other)
+
+    def route(c_load: LoadFigures) -> tuple[RouteDecision, list[float], list[bool] | None]:
+        r = Router("kvroute", 16)
+        r.add_replica("b", 4096)
+        r.apply(KVEvents("b", 1, stored=h2[:125], load=_load(8_000, 4, **FAST)))
+        r.add_replica("c", 250)
+        r.apply(KVEvents("c", 1, stored=H[:125], load=c_load))
+        table = r.candidate_table(h2, ["b", "c"])
+        pricing = PullPricing(kv_room=True)
+        room, crowded = copy_room(table, 16), pricing.crowded(table, pricing.possible(table), len(other), 16)
+        return r.route(h2, len(other)), room, crowded  # (after: the decision adds to the table's queue)
+
+    d, room, crowded = route(now)
+    assert room[1] == 125 * 16 - 40 < len(other) and crowded == [False, True]
+    assert (d.replica_id, d.pull_from) == ("b", None)  # waits at the holder
+    d, room, crowded = route(dataclasses.replace(now, kv_usage=kv.usage))  # the pool's free count, as before
+    assert room[1] == 250 * 16 - 40 and crowded is None
+    assert (d.replica_id, d.reason, d.pull_from) == ("c", "pull", "b")
