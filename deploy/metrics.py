@@ -28,7 +28,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _GAUGES = (
     ("vllm:num_requests_running", "num_running", "Requests in the engine's running batch."),
     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
-    ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
+    ("vllm:kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use or taken by a waiting request's cached prefix (1 = full)."),
     ("kvroute:host_kv_cached_blocks", "num_host_cached_blocks", "Blocks held in the host KV tier."),
     ("kvroute:lora_resident_adapters", "num_resident_loras", "LoRA adapters in the replica's device slots."),
     # the engine's measured figures the router prices it by (cluster/worker_load.py reads them back)

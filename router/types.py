@@ -127,8 +127,9 @@ class RouteOutcome:
 
 
 def free_kv_blocks(kv_usage: float, capacity_blocks: int) -> float:
-    """KV blocks no running request holds: ``(1 - kv_usage) × capacity_blocks``, or
-    infinite when the capacity is unknown (0)."""
+    """KV blocks neither a running request holds nor a waiting one's prefix hit will
+    take: ``(1 - kv_usage) × capacity_blocks``, or infinite when the capacity is
+    unknown (0)."""
     return round((1.0 - kv_usage) * capacity_blocks) if capacity_blocks else math.inf
 
 
