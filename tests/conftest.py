@@ -33,13 +33,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Ray starts its workers (every actor: Serve's controller and proxy, the replicas, the
-# router actors) at niceness 15. Beside a test in the other pytest-xdist worker whose
-# torch runs at 0, they got a few per cent of a core: `kvroute serve` with two replicas
-# beside two busy loops was not ready in 280 s, against 115 s with its workers at 0, and
-# Serve killed its proxy for missing the ready check. The clusters the tests start
-# (in-process, `ray start`, `kvroute serve`: they inherit this) share the box evenly.
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def _threads_per_worker() -> int | None:
