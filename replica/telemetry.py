@@ -65,7 +65,7 @@ class ReplicaTelemetry:
             num_running=len(s.running),
             queued_prefill_tokens=sum(end - start for start, end in spans),
             queued_prefill_s=sum(s.cost.span_seconds(start, end) for start, end in spans),
-            kv_usage=1.0 - (self.kv.pool.num_free_blocks - held) / self.kv.num_blocks,
+            kv_usage=self.kv.usage + held / self.kv.num_blocks,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_step_s=self.decode_step_s,
             route_ticket=s.route_ticket,
